@@ -1,0 +1,114 @@
+"""VeriCache configuration: one frozen dataclass; the ``--vericache-*`` flags are generated
+from its fields (defaults and help text included) and the parsed config reaches every
+SGLang process through one environment variable (``ServerArgs`` cannot be extended)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+ENV_VAR = "SGL_VERICACHE_CONFIG"
+FLAG_PREFIX = "--vericache-"
+
+# Compressor names accepted on the command line. The compressor registry
+# (mem_cache/compress) validates method options; this list only guards the flag.
+COMPRESSOR_NAMES = ("kivi4", "kivi2", "int8", "fp8", "streamingllm", "snapkv", "h2o", "quest")
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True)
+class VeriCacheConfig:
+    enable: bool = _opt(
+        True, "Speculative decoding with VeriCache (draft over compressed KV, verify over full KV)."
+    )
+    compressor: str = _opt(
+        "kivi4", "KV compressor the draft reads.", choices=COMPRESSOR_NAMES
+    )
+    ratio: float = _opt(
+        4.0, "Target compression ratio against the full KV (droppers: kept-token budget).", min=1.0, max=64.0
+    )
+    draft_len: int = _opt(16, "Tokens drafted per verify round.", min=1, max=64)
+    deterministic: bool = _opt(
+        False, "Verify logits bit-equal to one-token decode logits (row-invariant kernels)."
+    )
+    compressor_options: str = _opt(
+        "{}", "Method options for the compressor as a JSON object, e.g. '{\"group_size\": 32}'."
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _validate_field(f, getattr(self, f.name))
+        options = self.options()
+        if not isinstance(options, dict):
+            raise ValueError(
+                f"{FLAG_PREFIX}compressor-options must be a JSON object, got {self.compressor_options!r}"
+            )
+
+    def options(self) -> dict:
+        try:
+            return json.loads(self.compressor_options)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{FLAG_PREFIX}compressor-options is not valid JSON ({exc}): {self.compressor_options!r}"
+            ) from None
+
+    # -- transport to child processes -------------------------------------------------
+    def to_env(self) -> None:
+        os.environ[ENV_VAR] = json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls) -> Optional["VeriCacheConfig"]:
+        raw = os.environ.get(ENV_VAR)
+        if not raw:
+            return None
+        return cls(**json.loads(raw))
+
+
+def _flag(name: str) -> str:
+    return FLAG_PREFIX + name.replace("_", "-")
+
+
+def _validate_field(f: dataclasses.Field, value: Any) -> None:
+    flag = _flag(f.name)
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{flag} {value!r} is not one of {', '.join(choices)}")
+    lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    if lo is not None and not (lo <= value <= hi):
+        raise ValueError(f"{flag} {value!r} is out of range; accepted: {lo} to {hi}")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("VeriCache (sgl_vericache)")
+    for f in dataclasses.fields(VeriCacheConfig):
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if f.type in ("bool", bool):
+            group.add_argument(_flag(f.name), dest=f"vericache_{f.name}", action=argparse.BooleanOptionalAction,
+                               default=f.default, help=help_text)
+            continue
+        kind = {"int": int, "float": float, "str": str}[f.type]
+        group.add_argument(_flag(f.name), dest=f"vericache_{f.name}", type=kind, default=f.default,
+                           metavar=f.name.upper(), help=help_text)
+
+
+def parse_known(argv: Sequence[str]) -> tuple[VeriCacheConfig, list[str]]:
+    """Parse our flags out of ``argv``; return the config and the rest (for SGLang).
+
+    An unknown ``--vericache-*`` flag is an error here rather than something SGLang
+    would reject with a less helpful message."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_cli_args(parser)
+    ours, rest = parser.parse_known_args(list(argv))
+    unknown = [a.split("=", 1)[0] for a in rest if a.startswith(FLAG_PREFIX)]
+    if unknown:
+        known = ", ".join(_flag(f.name) for f in dataclasses.fields(VeriCacheConfig))
+        raise ValueError(f"unknown flag {unknown[0]}; VeriCache flags are: {known}")
+    values = {f.name: getattr(ours, f"vericache_{f.name}") for f in dataclasses.fields(VeriCacheConfig)}
+    return VeriCacheConfig(**values), rest
