@@ -1,0 +1,43 @@
+"""The identity compressor: the uncompressed baseline (ratio 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import CompressedLayer, KVCompressor, check_append, check_kv, full_nbytes
+from .registry import register_compressor
+
+
+@dataclass
+class DenseLayer(CompressedLayer):
+    k: torch.Tensor  # [T, H, D]
+    v: torch.Tensor  # [T, H, D]
+
+    def tensors(self):
+        return (self.k, self.v)
+
+
+@register_compressor("full")
+class FullCompressor(KVCompressor):
+    """Keeps the KV as it is: drafting over it reproduces full-KV decoding (up to the
+    kernels), which makes it the reference other methods are measured against."""
+
+    name = "full"
+
+    def compress(self, k, v, queries=None):
+        check_kv(k, v)
+        return DenseLayer(k.shape[0], k.shape[1], k.shape[2], k.dtype, k.clone(), v.clone())
+
+    def append(self, layer, k, v, queries=None):
+        check_append(layer, k, v)
+        return DenseLayer(layer.num_tokens + k.shape[0], layer.num_kv_heads, layer.head_dim, layer.dtype,
+                          torch.cat([layer.k, k]), torch.cat([layer.v, v]))
+
+    def materialize(self, layer):
+        positions = torch.arange(layer.num_tokens, device=layer.k.device)[:, None]
+        return layer.k, layer.v, positions.expand(-1, layer.num_kv_heads)
+
+    def nbytes_for(self, num_tokens, num_kv_heads, head_dim, dtype):
+        return full_nbytes(num_tokens, num_kv_heads, head_dim, dtype)
