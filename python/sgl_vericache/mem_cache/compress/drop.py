@@ -1,0 +1,259 @@
+"""Token droppers: StreamingLLM, SnapKV, H2O.
+
+The ratio sets the kept-token budget: budget(T) = min(T, max(ceil(T / ratio), min_budget)),
+so contexts of at most `min_budget` tokens keep everything and longer ones keep about
+T / ratio. The budget follows the request as it grows: append() evicts down to
+budget(T + n). Kept tokens are chosen per KV head (SnapKV and H2O select per head, as
+the papers do); each entry stores the kept positions (int32) and, for the scored
+methods, the fp32 scores later evictions rank by — both count in nbytes().
+
+Scores are attention probabilities computed with the 1/sqrt(D) softmax scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import CompressedLayer, KVCompressor, OptionSpec, check_append, check_kv
+from .registry import register_compressor
+
+MIN_BUDGET = OptionSpec("min_budget", 16, "contexts up to this many tokens are kept whole", 0, 1 << 30)
+SCORE_CHUNK = 256  # queries scored at a time, to bound the [H_q, W, T] probability tensor
+
+
+@dataclass
+class KeptTokensLayer(CompressedLayer):
+    k: torch.Tensor  # [N, H, D] kept keys, ascending position per head
+    v: torch.Tensor  # [N, H, D]
+    positions: torch.Tensor  # [N, H] int32
+    scores: torch.Tensor | None  # [N, H] fp32, accumulated attention (scored methods)
+
+    def tensors(self):
+        kept = (self.k, self.v, self.positions)
+        return kept if self.scores is None else kept + (self.scores,)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        assert self.k.shape == self.v.shape and self.positions.shape == self.k.shape[:2]
+        if self.positions.shape[0] > 1:
+            assert bool((self.positions[1:] > self.positions[:-1]).all()), "positions must ascend"
+        if self.positions.numel():
+            assert int(self.positions.max()) < self.num_tokens
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [T, H, ...], index [N, H] -> [N, H, ...]: a different token set per head."""
+    expanded = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return x.gather(0, expanded)
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention each key receives, summed over queries and over the query heads sharing
+    its KV head. q [W, H_q, D] are the queries of the LAST W keys (causal); k [N, H_kv, D].
+    Returns [N, H_kv] fp32."""
+    num_q, num_q_heads, _ = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    kf = k.float().repeat_interleave(num_q_heads // num_kv_heads, dim=1)
+    mass = torch.zeros(num_q_heads, num_keys, dtype=torch.float32, device=k.device)
+    cols = torch.arange(num_keys, device=k.device)
+    for start in range(0, num_q, SCORE_CHUNK):
+        qc = q[start : start + SCORE_CHUNK].float()
+        rows = torch.arange(start, start + qc.shape[0], device=k.device)
+        visible = cols[None, :] <= rows[:, None] + (num_keys - num_q)  # [Wc, N]
+        logits = torch.einsum("whd,nhd->hwn", qc, kf) * scale
+        mass += torch.softmax(logits.masked_fill(~visible, float("-inf")), -1).sum(1)
+    return mass.view(num_kv_heads, -1, num_keys).sum(1).T.contiguous()
+
+
+class TokenDropper(KVCompressor):
+    """Shared budget rule, storage and size accounting of the droppers."""
+
+    uses_ratio = True
+    default_ratio = 4.0
+    scored = False  # whether entries carry scores
+
+    def budget(self, num_tokens: int) -> int:
+        if num_tokens <= self.options["min_budget"]:
+            return num_tokens
+        return min(num_tokens, max(math.ceil(num_tokens / self.ratio), self.options["min_budget"]))
+
+    def nbytes_for(self, num_tokens, num_kv_heads, head_dim, dtype):
+        kept = self.budget(num_tokens) * num_kv_heads
+        return kept * (2 * head_dim * dtype.itemsize + 4 + (4 if self.scored else 0))
+
+    def materialize(self, layer):
+        return layer.k, layer.v, layer.positions.long()
+
+    @staticmethod
+    def _new_positions(start: int, count: int, num_heads: int, device) -> torch.Tensor:
+        pos = torch.arange(start, start + count, dtype=torch.int32, device=device)
+        return pos[:, None].expand(count, num_heads)
+
+
+# ---------------------------------------------------------------- StreamingLLM
+
+
+@register_compressor("streamingllm")
+class StreamingLLMCompressor(TokenDropper):
+    """StreamingLLM (Xiao et al., ICLR 2024): the first `num_sinks` tokens (attention
+    sinks) plus the most recent budget - num_sinks tokens. Query-agnostic, so
+    compress(all) and compress(prefix) + append(rest) keep the same tokens."""
+
+    name = "streamingllm"
+    option_specs = (OptionSpec("num_sinks", 4, "attention-sink tokens kept at the start", 0, 1 << 20), MIN_BUDGET)
+
+    def _post_init(self):
+        if self.options["min_budget"] < self.options["num_sinks"]:
+            raise ValueError(
+                f"streamingllm: option min_budget={self.options['min_budget']} is invalid; "
+                f"accepted: an integer in [num_sinks={self.options['num_sinks']}, inf]"
+            )
+
+    def keep_mask(self, positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        budget = self.budget(num_tokens)
+        sinks = min(self.options["num_sinks"], budget)
+        return (positions < sinks) | (positions >= num_tokens - (budget - sinks))
+
+    def compress(self, k, v, queries=None):
+        check_kv(k, v)
+        num_tokens, num_heads, head_dim = k.shape
+        empty = KeptTokensLayer(0, num_heads, head_dim, k.dtype, k[:0], v[:0],
+                                self._new_positions(0, 0, num_heads, k.device), None)
+        return self.append(empty, k, v)
+
+    def append(self, layer, k, v, queries=None):
+        check_append(layer, k, v)
+        num_tokens = layer.num_tokens + k.shape[0]
+        new_pos = self._new_positions(layer.num_tokens, k.shape[0], layer.num_kv_heads, k.device)
+        positions = torch.cat([layer.positions, new_pos])
+        keep = self.keep_mask(positions[:, 0], num_tokens)  # same tokens in every head
+        assert int(keep.sum()) == self.budget(num_tokens), "an evicted token was needed again"
+        return KeptTokensLayer(num_tokens, layer.num_kv_heads, layer.head_dim, layer.dtype,
+                               torch.cat([layer.k, k])[keep], torch.cat([layer.v, v])[keep],
+                               positions[keep].contiguous(), None)
+
+
+# ---------------------------------------------------------------- scored droppers
+
+
+class ScoredDropper(TokenDropper):
+    """Keep a protected recent window plus the highest-scoring older tokens, per KV head.
+    append() adds the new tokens' attention (when their queries are given) to every
+    kept token's score, then evicts the lowest scores outside the recent window."""
+
+    needs_queries = True
+    scored = True
+
+    def recent_len(self, budget: int) -> int:
+        raise NotImplementedError
+
+    def prompt_scores(self, k: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """[T, H_kv] fp32 score of every prompt token."""
+        raise NotImplementedError
+
+    def compress(self, k, v, queries=None):
+        check_kv(k, v)
+        if queries is None:
+            raise ValueError(f"{self.name} needs the last prompt queries ([W, H_q, D]) to compress")
+        _check_queries(queries, k)
+        num_tokens, num_heads, head_dim = k.shape
+        positions = self._new_positions(0, num_tokens, num_heads, k.device)
+        scores = self.prompt_scores(k, queries) if num_tokens else torch.zeros(0, num_heads)
+        return self._select(num_tokens, k, v, positions, scores.to(k.device))
+
+    def append(self, layer, k, v, queries=None):
+        check_append(layer, k, v)
+        keys = torch.cat([layer.k, k])
+        new_scores = torch.zeros(k.shape[0], layer.num_kv_heads, device=k.device)
+        scores = torch.cat([layer.scores, new_scores])
+        if queries is not None and k.shape[0]:
+            _check_queries(queries, k)
+            scores = scores + attention_mass(queries, keys, 1.0 / math.sqrt(layer.head_dim))
+        new_pos = self._new_positions(layer.num_tokens, k.shape[0], layer.num_kv_heads, k.device)
+        positions = torch.cat([layer.positions, new_pos])
+        return self._select(layer.num_tokens + k.shape[0], keys, torch.cat([layer.v, v]), positions, scores)
+
+    def _select(self, num_tokens, k, v, positions, scores) -> KeptTokensLayer:
+        """Evict per head down to budget(num_tokens): recent window first, then by score
+        (ties: the earlier token wins), kept in ascending position order."""
+        budget = self.budget(num_tokens)
+        if k.shape[0] > budget:
+            protected = positions >= num_tokens - self.recent_len(budget)
+            rank = scores.masked_fill(protected, float("inf"))
+            order = torch.sort(rank, dim=0, descending=True, stable=True).indices[:budget]
+            index = torch.sort(order, dim=0).values  # rows ascend in position, as positions do
+            k, v = gather_tokens(k, index), gather_tokens(v, index)
+            positions, scores = positions.gather(0, index), scores.gather(0, index)
+        return KeptTokensLayer(num_tokens, k.shape[1], k.shape[2], k.dtype, k.contiguous(), v.contiguous(),
+                               positions.contiguous(), scores.contiguous())
+
+
+def _check_queries(queries: torch.Tensor, k: torch.Tensor) -> None:
+    if queries.dim() != 3 or queries.shape[2] != k.shape[2] or queries.shape[1] % k.shape[1]:
+        raise ValueError(f"queries must be [W, H_q, D] with H_q a multiple of H_kv; got {tuple(queries.shape)}")
+    if queries.shape[0] > k.shape[0]:
+        raise ValueError(f"{queries.shape[0]} queries for {k.shape[0]} tokens: they must be the last W tokens'")
+
+
+@register_compressor("snapkv")
+class SnapKVCompressor(ScoredDropper):
+    """SnapKV (Li et al., NeurIPS 2024): the last `window_size` prompt queries vote (their
+    attention over the earlier tokens, pooled over `kernel_size` neighbours); keep the
+    observation window plus the top-voted tokens per KV head."""
+
+    name = "snapkv"
+    option_specs = (
+        OptionSpec("window_size", 32, "observation window: trailing prompt queries that vote", 1, 1 << 20),
+        OptionSpec("kernel_size", 7, "pooling kernel over positions (odd)", 1, 1023),
+        OptionSpec("pooling", "maxpool", "how votes are pooled", choices=("maxpool", "avgpool")),
+        MIN_BUDGET,
+    )
+
+    def _post_init(self):
+        if self.options["kernel_size"] % 2 == 0:
+            raise ValueError(f"snapkv: option kernel_size={self.options['kernel_size']} is invalid; "
+                             "accepted: an odd integer in [1, 1023]")
+
+    @property
+    def query_window(self) -> int:
+        return self.options["window_size"]
+
+    def recent_len(self, budget: int) -> int:
+        return min(self.options["window_size"], budget)
+
+    def prompt_scores(self, k, queries):
+        queries = queries[-self.options["window_size"] :]
+        votes = attention_mass(queries, k, 1.0 / math.sqrt(k.shape[2]))  # [T, H]
+        prefix = k.shape[0] - queries.shape[0]  # tokens before the observation window
+        if prefix > 0:
+            votes[:prefix] = self._pool(votes[:prefix])
+        return votes
+
+    def _pool(self, votes: torch.Tensor) -> torch.Tensor:
+        kernel = self.options["kernel_size"]
+        pool = F.max_pool1d if self.options["pooling"] == "maxpool" else F.avg_pool1d
+        return pool(votes.T[:, None], kernel, stride=1, padding=kernel // 2)[:, 0].T
+
+
+@register_compressor("h2o")
+class H2OCompressor(ScoredDropper):
+    """H2O (Zhang et al., NeurIPS 2023): heavy hitters by accumulated attention plus the
+    most recent tokens; `heavy_fraction` of the budget goes to heavy hitters (the paper
+    splits it evenly). compress() accumulates over every query it is given, so pass all
+    prompt queries for the paper's rule (fewer work, like a SnapKV window)."""
+
+    name = "h2o"
+    option_specs = (
+        OptionSpec("heavy_fraction", 0.5, "share of the budget chosen by accumulated attention", 0.0, 1.0),
+        MIN_BUDGET,
+    )
+
+    def recent_len(self, budget: int) -> int:
+        return budget - math.floor(budget * self.options["heavy_fraction"])
+
+    def prompt_scores(self, k, queries):
+        return attention_mass(queries, k, 1.0 / math.sqrt(k.shape[2]))
