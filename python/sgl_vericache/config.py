@@ -14,9 +14,6 @@ from typing import Any, Optional, Sequence
 ENV_VAR = "SGL_VERICACHE_CONFIG"
 FLAG_PREFIX = "--vericache-"
 
-# Compressor names accepted on the command line. The compressor registry
-# (mem_cache/compress) validates method options; this list only guards the flag.
-COMPRESSOR_NAMES = ("kivi4", "kivi2", "int8", "fp8", "streamingllm", "snapkv", "h2o", "quest")
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -28,9 +25,7 @@ class VeriCacheConfig:
     enable: bool = _opt(
         True, "Speculative decoding with VeriCache (draft over compressed KV, verify over full KV)."
     )
-    compressor: str = _opt(
-        "kivi4", "KV compressor the draft reads.", choices=COMPRESSOR_NAMES
-    )
+    compressor: str = _opt("kivi4", "KV compressor the draft reads (see mem_cache/compress).")
     ratio: float = _opt(
         4.0, "Target compression ratio against the full KV (droppers: kept-token budget).", min=1.0, max=64.0
     )
@@ -39,25 +34,33 @@ class VeriCacheConfig:
         False, "Verify logits bit-equal to one-token decode logits (row-invariant kernels)."
     )
     compressor_options: str = _opt(
-        "{}", "Method options for the compressor as a JSON object, e.g. '{\"group_size\": 32}'."
+        "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
     )
 
     def __post_init__(self) -> None:
+        from sgl_vericache.mem_cache.compress.registry import available_compressors
+
         for f in dataclasses.fields(self):
             _validate_field(f, getattr(self, f.name))
-        options = self.options()
-        if not isinstance(options, dict):
+        if self.compressor not in available_compressors():
             raise ValueError(
-                f"{FLAG_PREFIX}compressor-options must be a JSON object, got {self.compressor_options!r}"
+                f"{FLAG_PREFIX}compressor {self.compressor!r} is not one of {', '.join(available_compressors())}"
             )
+        self.options()
 
     def options(self) -> dict:
+        from sgl_vericache.mem_cache.compress.registry import parse_options
+
         try:
-            return json.loads(self.compressor_options)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"{FLAG_PREFIX}compressor-options is not valid JSON ({exc}): {self.compressor_options!r}"
-            ) from None
+            return parse_options(self.compressor_options)
+        except ValueError as exc:
+            raise ValueError(f"{FLAG_PREFIX}compressor-options: {exc}") from None
+
+    def build_compressor(self):
+        """The configured compressor; bad ratio or options raise ValueError naming them."""
+        from sgl_vericache.mem_cache.compress import get_compressor
+
+        return get_compressor(self.compressor, self.ratio, **self.options())
 
     # -- transport to child processes -------------------------------------------------
     def to_env(self) -> None:
@@ -112,3 +115,32 @@ def parse_known(argv: Sequence[str]) -> tuple[VeriCacheConfig, list[str]]:
         raise ValueError(f"unknown flag {unknown[0]}; VeriCache flags are: {known}")
     values = {f.name: getattr(ours, f"vericache_{f.name}") for f in dataclasses.fields(VeriCacheConfig)}
     return VeriCacheConfig(**values), rest
+
+
+# Per-request overrides, passed as sampling_params.custom_params {"vericache_<field>": value}.
+REQUEST_KEYS = ("compressor", "ratio", "draft_len", "compressor_options")
+
+
+def request_config(custom_params: Optional[dict], server: VeriCacheConfig) -> VeriCacheConfig:
+    """The config one request runs with: the server's, with its overrides applied.
+    A draft length above the server's is refused (the verify width is fixed at start)."""
+    overrides = {}
+    for key, value in (custom_params or {}).items():
+        if not key.startswith("vericache_"):
+            continue
+        name = key[len("vericache_"):]
+        if name not in REQUEST_KEYS:
+            accepted = ", ".join("vericache_" + k for k in REQUEST_KEYS)
+            raise ValueError(f"unknown custom_params key {key!r}; per-request VeriCache keys are: {accepted}")
+        overrides[name] = value
+    if not overrides:
+        return server
+    try:
+        cfg = dataclasses.replace(server, **overrides)
+    except TypeError as exc:
+        raise ValueError(f"bad VeriCache custom_params {overrides!r}: {exc}") from None
+    if cfg.draft_len > server.draft_len:
+        raise ValueError(
+            f"vericache_draft_len {cfg.draft_len} exceeds the server's --vericache-draft-len {server.draft_len}"
+        )
+    return cfg

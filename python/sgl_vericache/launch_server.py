@@ -86,6 +86,8 @@ def build_sglang_argv(argv: Sequence[str]) -> tuple[vc_config.VeriCacheConfig, l
     """Split and complete the command line: (our config, SGLang's argv)."""
     try:
         vc, rest = vc_config.parse_known(argv)
+        if vc.enable:
+            vc.build_compressor()  # bad ratio / method options fail here, named
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
     on_gpu = cuda_available()

@@ -1,0 +1,158 @@
+"""The product's promise: with VeriCache on, output token ids equal those of the same
+engine with speculation off (greedy, fp32, SmolLM2-135M, CPU).
+
+CI subset (this file without ``slow``): one VERICACHE engine (draft length up to 30)
+serves every compressor at 4x and draft lengths 1, 4, 16 and 30 through per-request
+overrides (``custom_params``), at batch 1 and batch 4, over 8 prompts x 128 tokens; the
+speculation-off reference is computed once and reused. The full matrix (every compressor
+x draft lengths 1/4/16/30 x batch 1/4, 24 prompts x 256 tokens) is the ``slow`` test:
+
+    SGL_VERICACHE_SLOW=1 ./scripts/test.sh test/test_exactness.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from prompts import prompt_set
+
+COMPRESSORS = ["kivi4", "kivi2", "int8", "fp8", "streamingllm", "snapkv", "h2o", "quest"]
+DRAFT_LENS = [1, 4, 16, 30]
+MAX_DRAFT_LEN = 30
+ENGINE_KW = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                 dtype="float32", max_total_tokens=16384, log_level="warning")
+
+
+def _engine(model_path, **kw):
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    from sglang.srt.entrypoints.engine import Engine
+
+    return Engine(model_path=str(model_path), **ENGINE_KW, **kw)
+
+
+def _input_ids(model_path, prompts):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for _, m in prompts]
+
+
+def first_divergence(ours, ref):
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            return i
+    return None if len(ours) == len(ref) else min(len(ours), len(ref))
+
+
+class Reference:
+    """Speculation-off outputs, computed once per (prompt set, length) and reused."""
+
+    def __init__(self, model_path):
+        self.model_path = model_path
+        self.cache = {}
+
+    def outputs(self, name_set, ids, max_new_tokens):
+        key = (name_set, max_new_tokens)
+        if key not in self.cache:
+            engine = _engine(self.model_path)
+            try:
+                out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens,
+                                                                      "temperature": 0})
+            finally:
+                engine.shutdown()
+            self.cache[key] = [o["output_ids"] for o in out]
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_path):
+    return Reference(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def vc_engine(default_model_path):
+    from sgl_vericache.config import VeriCacheConfig
+
+    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=MAX_DRAFT_LEN).to_env()
+    engine = _engine(default_model_path, speculative_algorithm="VERICACHE",
+                     speculative_num_draft_tokens=MAX_DRAFT_LEN + 1,
+                     speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
+    yield engine
+    engine.shutdown()
+
+
+def run_configs(engine, ids, configs, max_new_tokens, batch):
+    """Generate each prompt with its (compressor, draft_len), ``batch`` requests at once."""
+    outs = []
+    for start in range(0, len(ids), batch):
+        chunk = list(range(start, min(start + batch, len(ids))))
+        params = [{"max_new_tokens": max_new_tokens, "temperature": 0,
+                   "custom_params": {"vericache_compressor": configs[i][0], "vericache_ratio": 4.0,
+                                     "vericache_draft_len": configs[i][1]}} for i in chunk]
+        out = engine.generate(input_ids=[ids[i] for i in chunk], sampling_params=params)
+        outs.extend(out)
+    return outs
+
+
+def check_identical(prompts, configs, outs, ref, batch):
+    failures, accept = [], []
+    for (name, _), (comp, draft_len), out, expected in zip(prompts, configs, outs, ref):
+        ours = out["output_ids"]
+        accept.append(out["meta_info"].get("spec_accept_length"))
+        idx = first_divergence(ours, expected)
+        if idx is not None:
+            failures.append(f"prompt {name} [{comp}, draft_len={draft_len}, batch={batch}]: "
+                            f"first divergent index {idx}: ours {ours[idx:idx + 3]} vs ref {expected[idx:idx + 3]}")
+    assert not failures, "\n".join(failures)
+    return accept
+
+
+def test_every_compressor_and_draft_len_batch4(vc_engine, reference, default_model_path):
+    prompts = prompt_set(3)[:8]
+    ids = _input_ids(default_model_path, prompts)
+    # every compressor once; draft lengths cycle so each of 1/4/16/30 appears twice
+    configs = [(c, DRAFT_LENS[i % 4]) for i, c in enumerate(COMPRESSORS)]
+    ref = reference.outputs("ci8", ids, 128)
+    outs = run_configs(vc_engine, ids, configs, 128, batch=4)
+    accept = check_identical(prompts, configs, outs, ref, batch=4)
+    print("mean acceptance length per request:", accept)
+
+
+def test_batch1_and_full_compressor(vc_engine, reference, default_model_path):
+    """Batch 1, and the uncompressed draft ('full'), whose drafts verify almost always."""
+    prompts = prompt_set(3)[:8]
+    ids = _input_ids(default_model_path, prompts)
+    ref = reference.outputs("ci8", ids, 128)
+    picks = [0, 5]
+    configs = [("snapkv", 16), ("full", 30)]
+    outs = run_configs(vc_engine, [ids[i] for i in picks], configs, 128, batch=1)
+    accept = check_identical([prompts[i] for i in picks], configs, outs, [ref[i] for i in picks], batch=1)
+    assert accept[1] is not None and accept[1] > 8, f"uncompressed drafts should mostly verify: {accept}"
+
+
+def test_bad_per_request_override_is_refused(vc_engine, default_model_path):
+    ids = _input_ids(default_model_path, prompt_set(1)[:1])
+    out = vc_engine.generate(input_ids=ids[0], sampling_params={
+        "max_new_tokens": 8, "temperature": 0, "custom_params": {"vericache_draft_len": 99}})
+    finish = out["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and "exceeds the server's --vericache-draft-len" in finish["message"]
+    good = vc_engine.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 8, "temperature": 0})
+    assert len(good["output_ids"]) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 4])
+def test_full_matrix(vc_engine, reference, default_model_path, batch):
+    prompts = prompt_set(8)
+    ids = _input_ids(default_model_path, prompts)
+    ref = reference.outputs("all", ids, 256)
+    for comp, draft_len in itertools.product(COMPRESSORS, DRAFT_LENS):
+        configs = [(comp, draft_len)] * len(ids)
+        outs = run_configs(vc_engine, ids, configs, 256, batch=batch)
+        accept = check_identical(prompts, configs, outs, ref, batch=batch)
+        print(f"MATRIX {comp} draft_len={draft_len} batch={batch}: identical {len(ids)}/{len(ids)}, "
+              f"mean acceptance {sum(a or 0 for a in accept) / len(accept):.2f}")
