@@ -72,8 +72,9 @@ class CompressorConfig:
 
     ratio: target compression (full bytes / compressed bytes), >= 1. Token droppers turn it
     into a kept-token budget and Quest into pages read per step; for quantizers the bit
-    width fixes the ratio and `ratio` is checked (>= 1) but otherwise ignored — read the
-    achieved ratio from `KVCompressor.achieved_ratio`. None means the method's default.
+    width fixes the ratio and `ratio` is checked (>= 1) but otherwise ignored (their
+    `compressor.ratio` is None) — read the achieved ratio from
+    `KVCompressor.achieved_ratio`. None means the method's default (4.0 for droppers/Quest).
     """
 
     name: str
