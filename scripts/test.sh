@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the test suite on this machine (CPU-only is fine: GPU tests
-# skip, `slow` tests are left out unless SGL_VERICACHE_SLOW=1). Extra arguments go to pytest.
+# skip, `slow` tests are left out unless VERICACHE_SLOW=1). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 markers="not slow"
-[ "${SGL_VERICACHE_SLOW:-0}" = "1" ] && markers=""
+[ "${VERICACHE_SLOW:-0}" = "1" ] && markers=""
 exec .venv/bin/python -m pytest -ra ${markers:+-m "$markers"} "$@"

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-STARTUP_TIMEOUT_S = float(os.environ.get("SGL_VERICACHE_TEST_STARTUP_TIMEOUT", "600"))
+STARTUP_TIMEOUT_S = float(os.environ.get("VERICACHE_TEST_STARTUP_TIMEOUT", "600"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,7 +7,7 @@ overrides (``custom_params``), at batch 1 and batch 4, over 8 prompts x 128 toke
 speculation-off reference is computed once and reused. The full matrix (every compressor
 x draft lengths 1/4/16/30 x batch 1/4, 24 prompts x 256 tokens) is the ``slow`` test:
 
-    SGL_VERICACHE_SLOW=1 ./scripts/test.sh test/test_exactness.py
+    VERICACHE_SLOW=1 ./scripts/test.sh test/test_exactness.py
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-ENV_VAR = "SGL_VERICACHE_CONFIG"
+ENV_VAR = "VERICACHE_CONFIG"
 FLAG_PREFIX = "--vericache-"
 
 

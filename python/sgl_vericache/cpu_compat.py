@@ -32,7 +32,7 @@ PACKAGE = "sgl_kernel"
 # Submodules of the real package that are plain Python data definitions (no compiled
 # ops): the stand-in loads them from the installed package's own files.
 PURE_PYTHON_SUBMODULES = frozenset({"scalar_type", "version"})
-DISABLE_ENV = "SGL_VERICACHE_DISABLE_CPU_COMPAT"
+DISABLE_ENV = "VERICACHE_DISABLE_CPU_COMPAT"
 
 
 class CpuKernelUnavailable(NotImplementedError):
@@ -141,7 +141,7 @@ def _installed_finder() -> _Finder | None:
 
 
 def install() -> None:
-    """Install the import hook (idempotent). ``SGL_VERICACHE_DISABLE_CPU_COMPAT=1`` opts out."""
+    """Install the import hook (idempotent). ``VERICACHE_DISABLE_CPU_COMPAT=1`` opts out."""
     if os.environ.get(DISABLE_ENV) == "1" or _installed_finder() is not None:
         return
     if PACKAGE in sys.modules:

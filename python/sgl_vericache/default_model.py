@@ -32,7 +32,7 @@ class DefaultModelError(RuntimeError):
 
 
 def cache_root() -> Path:
-    env = os.environ.get("SGL_VERICACHE_CACHE_DIR")
+    env = os.environ.get("VERICACHE_CACHE_DIR")
     if env:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
