@@ -16,7 +16,7 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
-from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor, full_nbytes
+from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor, causal_attention, full_nbytes
 
 # (layer_id, start, end) -> (k, v), each [end - start, H_kv, D]: verified KV of a request
 ReadKV = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -30,6 +30,9 @@ class _RequestEntry:
     # provisional KV of the current round, per layer: list of [1, H_kv, D] tensors
     draft_k: list[list[torch.Tensor]] = field(default_factory=list)
     draft_v: list[list[torch.Tensor]] = field(default_factory=list)
+    # per layer, the entry as dense (k, v), materialized once per round for methods whose
+    # draft attention is plain attention over it (all but query-aware page selection)
+    dense: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
 
 class CompressedKVStore:
@@ -86,6 +89,7 @@ class CompressedKVStore:
     def _reset_round(self, entry: _RequestEntry) -> None:
         entry.draft_k = [[] for _ in range(self.num_layers)]
         entry.draft_v = [[] for _ in range(self.num_layers)]
+        entry.dense = [None] * self.num_layers
 
     def attend(
         self,
@@ -104,7 +108,14 @@ class CompressedKVStore:
         layer = entry.layers[layer_id]
         if layer is None:  # nothing verified yet (empty prompt): attend to the draft only
             layer = entry.compressor.compress(k_extra[:0], v_extra[:0])
-        return entry.compressor.attend(layer, q, scale, k_extra, v_extra)
+        if type(entry.compressor).attend is not KVCompressor.attend:
+            return entry.compressor.attend(layer, q, scale, k_extra, v_extra)
+        # Same math as KVCompressor.attend, without re-materializing every draft step.
+        if entry.dense[layer_id] is None:
+            k, v, _ = entry.compressor.materialize(layer)
+            entry.dense[layer_id] = (k, v)
+        k, v = entry.dense[layer_id]
+        return causal_attention(q, k, v, scale, k_extra, v_extra)
 
     def release(self, rid: Hashable) -> None:
         self._entries.pop(rid, None)
