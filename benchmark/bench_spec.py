@@ -325,7 +325,7 @@ def plot(result: dict, path: Path) -> None:
     rows = result["results"]
     draft_lens = result["config"]["draft_lens"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for comp in result["config"]["compressors"]:
+    for comp in dict.fromkeys(r["compressor"] for r in rows):  # those measured so far
         mine = sorted((r for r in rows if r["compressor"] == comp), key=lambda r: r["draft_len"])
         xs = [r["draft_len"] for r in mine]
         ax1.plot(xs, [r["mean_acc_len"] for r in mine], marker="o", label=comp)
@@ -353,7 +353,8 @@ def summary(result: dict) -> str:
     same = sum(r["identical"] for r in rows)
     best = max(rows, key=lambda r: r["mean_acc_len"])
     fastest = max(rows, key=lambda r: r["tok_s_ratio"])
-    return (f"bench_spec {result['mode']}: {len(rows)} configs x {n} prompts x "
+    partial = "" if result.get("complete") else " (INCOMPLETE)"
+    return (f"bench_spec {result['mode']}{partial}: {len(rows)} configs x {n} prompts x "
             f"{result['config']['max_new_tokens']} tok; identical {same}/{len(rows) * n}; best acc_len "
             f"{best['mean_acc_len']:.2f} ({best['compressor']}, d={best['draft_len']}); best speed x"
             f"{fastest['tok_s_ratio']:.2f} vs off ({fastest['compressor']}, d={fastest['draft_len']}); "
@@ -373,6 +374,7 @@ def parse_args() -> tuple[BenchConfig, str]:
     p.add_argument("--prompts-per-category", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--batch", type=int, default=None, help="concurrent requests per generate call (default 1)")
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG and summary from an existing --out JSON")
     a = p.parse_args()
     cfg = PRESETS[a.mode or "full"]
     overrides = {"out": a.out, "prompts_per_category": a.prompts_per_category,
@@ -382,16 +384,21 @@ def parse_args() -> tuple[BenchConfig, str]:
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides.keys() - {"out"}:
         overrides["mode"] = cfg.mode + "+custom"
-    return dataclasses.replace(cfg, **overrides), a.model_path
+    return dataclasses.replace(cfg, **overrides), a.model_path, a.replot
 
 
 def main() -> None:
-    cfg, model_path = parse_args()
+    cfg, model_path, replot = parse_args()
+    out = ROOT / cfg.out if not Path(cfg.out).is_absolute() else Path(cfg.out)
+    if replot:
+        result = json.loads(out.read_text())
+        plot(result, out.with_suffix(".png"))
+        print(summary(result))
+        return
     if model_path is None:
         from sgl_vericache.default_model import ensure_default_model
 
         model_path = str(ensure_default_model())
-    out = ROOT / cfg.out if not Path(cfg.out).is_absolute() else Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(result: dict) -> None:
