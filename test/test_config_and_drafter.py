@@ -134,3 +134,26 @@ def test_cpu_stand_in_serves_ops_and_refuses_unknown_ones():
     if "REAL" in r.stdout:
         pytest.skip("a real sgl_kernel imports here; the stand-in is inactive")
     assert "REFUSED" in r.stdout and "'sgl_kernel.fancy_gemm_cpu'" in r.stdout
+
+
+def test_prompt_queries_are_captured_per_request_and_layer():
+    """The verify wrapper keeps each request's trailing prefill queries (for SnapKV/H2O),
+    across chunked prefills, capped at MAX_CAPTURED_QUERIES."""
+    from types import SimpleNamespace
+
+    from sgl_vericache.sglang_adapter import MAX_CAPTURED_QUERIES, _capture_queries, _layer_queries
+
+    backend = SimpleNamespace(capture={}, capture_rids=["a", "b"])
+    layer = SimpleNamespace(tp_q_head_num=3, qk_head_dim=4, layer_id=1)
+    q = torch.arange(5 * 12, dtype=torch.float32).reshape(5, 12)  # 2 + 3 tokens, [tokens, H_q * D]
+    _capture_queries(backend, q, layer, SimpleNamespace(extend_seq_lens_cpu=[2, 3]))
+    assert backend.capture["a"][1].shape == (2, 3, 4)
+    torch.testing.assert_close(backend.capture["b"][1], q[2:].reshape(3, 3, 4))
+    big = torch.randn(MAX_CAPTURED_QUERIES + 10, 12)
+    backend.capture_rids = ["b"]
+    _capture_queries(backend, big, layer, SimpleNamespace(extend_seq_lens_cpu=[big.shape[0]]))
+    kept = backend.capture["b"][1]
+    assert kept.shape[0] == MAX_CAPTURED_QUERIES
+    torch.testing.assert_close(kept, big[-MAX_CAPTURED_QUERIES:].reshape(-1, 3, 4))
+    per_layer = _layer_queries(backend.capture["a"], num_layers=3)
+    assert per_layer[0] is None and per_layer[1].shape == (2, 3, 4)

@@ -302,6 +302,8 @@ def _layer_queries(captured, num_layers):
 
 def _capture_queries(backend, q, layer, forward_batch):
     """Keep the trailing prompt queries of each request in an extend batch."""
+    import torch
+
     q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)  # [tokens, H_q, D]
     lens = forward_batch.extend_seq_lens_cpu
     lens = lens.tolist() if hasattr(lens, "tolist") else list(lens)
@@ -310,15 +312,9 @@ def _capture_queries(backend, q, layer, forward_batch):
         per_layer = backend.capture.setdefault(rid, {})
         prev = per_layer.get(layer.layer_id)
         new = q[start : start + n].detach().clone()
-        joined = new if prev is None else torch_cat_tail(prev, new)
+        joined = new if prev is None else torch.cat([prev, new])
         per_layer[layer.layer_id] = joined[-MAX_CAPTURED_QUERIES:]
         start += n
-
-
-def torch_cat_tail(prev, new):
-    import torch
-
-    return torch.cat([prev, new])[-MAX_CAPTURED_QUERIES:]
 
 
 def _pad_drafts(drafts: np.ndarray, draft_lens: list[int], width: int) -> np.ndarray:
