@@ -48,29 +48,29 @@ def first_divergence(ours, ref):
     return None if len(ours) == len(ref) else min(len(ours), len(ref))
 
 
-class Reference:
-    """Speculation-off outputs, computed once per (prompt set, length) and reused."""
+def reference_outputs(model_path, ids, max_new_tokens):
+    """Speculation-off outputs, from an engine that is shut down before returning."""
+    engine = _engine(model_path)
+    try:
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0})
+    finally:
+        engine.shutdown()
+    return [o["output_ids"] for o in out]
 
-    def __init__(self, model_path):
-        self.model_path = model_path
-        self.cache = {}
 
-    def outputs(self, name_set, ids, max_new_tokens):
-        key = (name_set, max_new_tokens)
-        if key not in self.cache:
-            engine = _engine(self.model_path)
-            try:
-                out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens,
-                                                                      "temperature": 0})
-            finally:
-                engine.shutdown()
-            self.cache[key] = [o["output_ids"] for o in out]
-        return self.cache[key]
+CI_PROMPTS = prompt_set(3)[:8]
 
 
 @pytest.fixture(scope="module")
 def reference(default_model_path):
-    return Reference(default_model_path)
+    """The CI prompt set's reference, computed once, before the VERICACHE engine exists."""
+    return reference_outputs(default_model_path, _input_ids(default_model_path, CI_PROMPTS), 128)
+
+
+@pytest.fixture(scope="module")
+def reference_all(default_model_path):
+    prompts = prompt_set(8)
+    return reference_outputs(default_model_path, _input_ids(default_model_path, prompts), 256)
 
 
 @pytest.fixture(scope="module")
@@ -111,22 +111,22 @@ def check_identical(prompts, configs, outs, ref, batch):
     return accept
 
 
-def test_every_compressor_and_draft_len_batch4(vc_engine, reference, default_model_path):
-    prompts = prompt_set(3)[:8]
+def test_every_compressor_and_draft_len_batch4(reference, vc_engine, default_model_path):
+    prompts = CI_PROMPTS
     ids = _input_ids(default_model_path, prompts)
     # every compressor once; draft lengths cycle so each of 1/4/16/30 appears twice
     configs = [(c, DRAFT_LENS[i % 4]) for i, c in enumerate(COMPRESSORS)]
-    ref = reference.outputs("ci8", ids, 128)
+    ref = reference
     outs = run_configs(vc_engine, ids, configs, 128, batch=4)
     accept = check_identical(prompts, configs, outs, ref, batch=4)
     print("mean acceptance length per request:", accept)
 
 
-def test_batch1_and_full_compressor(vc_engine, reference, default_model_path):
+def test_batch1_and_full_compressor(reference, vc_engine, default_model_path):
     """Batch 1, and the uncompressed draft ('full'), whose drafts verify almost always."""
-    prompts = prompt_set(3)[:8]
+    prompts = CI_PROMPTS
     ids = _input_ids(default_model_path, prompts)
-    ref = reference.outputs("ci8", ids, 128)
+    ref = reference
     picks = [0, 5]
     configs = [("snapkv", 16), ("full", 30)]
     outs = run_configs(vc_engine, [ids[i] for i in picks], configs, 128, batch=1)
@@ -153,10 +153,11 @@ def test_bad_per_request_override_is_refused(vc_engine, default_model_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 4])
-def test_full_matrix(vc_engine, reference, default_model_path, batch):
+def test_full_matrix(reference_all, vc_engine, default_model_path, batch):
+    """Run alone (-m slow): reference_all must be computed before vc_engine starts."""
     prompts = prompt_set(8)
     ids = _input_ids(default_model_path, prompts)
-    ref = reference.outputs("all", ids, 256)
+    ref = reference_all
     for comp, draft_len in itertools.product(COMPRESSORS, DRAFT_LENS):
         configs = [(comp, draft_len)] * len(ids)
         outs = run_configs(vc_engine, ids, configs, 256, batch=batch)
