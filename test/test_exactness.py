@@ -140,7 +140,7 @@ def test_bad_per_request_override_is_refused(vc_engine, default_model_path):
     ids = _input_ids(default_model_path, prompt_set(1)[:1])
     try:
         out = vc_engine.generate(input_ids=ids[0], sampling_params={
-            "max_new_tokens": 8, "temperature": 0, "custom_params": {"vericache_draft_len": 99}})
+            "max_new_tokens": 8, "temperature": 0, "custom_params": {"vericache_draft_len": 40}})
         finish = out["meta_info"]["finish_reason"]
         assert finish["type"] == "abort", finish
         message = finish["message"]
