@@ -272,3 +272,41 @@ def test_build_tree_kernel_efficient_bitpacked():
 def test_unimplemented_ops_are_absent(name):
     """Ops off the NGRAM / EAGLE verify path stay refusing stubs (cpu_compat)."""
     assert name not in OPS
+
+
+def _murmur3_x86_32(data: bytes) -> int:
+    """Textbook MurmurHash3_x86_32 (seed 0), byte by byte: the reference for the op."""
+    import struct
+
+    h = 0
+    for i in range(0, len(data), 4):
+        k = struct.unpack("<I", data[i : i + 4])[0]
+        k = (k * 0xCC9E2D51) & 0xFFFFFFFF
+        k = ((k << 15) | (k >> 17)) & 0xFFFFFFFF
+        k = (k * 0x1B873593) & 0xFFFFFFFF
+        h ^= k
+        h = ((h << 13) | (h >> 19)) & 0xFFFFFFFF
+        h = (h * 5 + 0xE6546B64) & 0xFFFFFFFF
+    h ^= len(data)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_murmur_hash32_matches_textbook_murmur3():
+    import struct
+
+    from sgl_vericache.cpu_ops import murmur_hash32_cpu
+
+    seeds = torch.tensor([0, 42, 2**62 + 12345, -7, 2**63 - 1])
+    positions = torch.tensor([0, 1, 100, 70000, 2**31 + 5])
+    cols = torch.tensor([0, 1, 7, 49151, 128255])
+    out = murmur_hash32_cpu(seeds, positions, cols)
+    assert out.shape == (5, 5) and out.dtype == torch.uint32
+    for i in range(5):
+        for j in range(5):
+            s = int(seeds[i]) & (2**64 - 1)
+            block = struct.pack("<IIII", s & 0xFFFFFFFF, s >> 32, int(positions[i]) & 0xFFFFFFFF, int(cols[j]))
+            assert int(out[i, j]) == _murmur3_x86_32(block), (i, j)
