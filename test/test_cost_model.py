@@ -1,0 +1,158 @@
+"""The analytic cost model (benchmark/cost_model.py): properties any honest roofline must
+have, the paper's Llama-70B example within a stated tolerance, the bench_decode report.
+Pure arithmetic, no torch: well under a second."""
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+import cost_model as cm  # noqa: E402
+
+SMOL, LLAMA = cm.smollm2_135m(), cm.llama_70b()
+# an H100-like device with no capacity limit, so batch effects do not mix into the checks
+GPU = replace(cm.h100_nvl_x2(), mem_capacity=None)
+CPU = cm.cpu_this_machine(mem_bw=7e9, flops=40e9)
+
+
+def speedup(hw=GPU, shape=LLAMA, context=32768, batch=4, ratio=4.0, draft_len=30, **acc):
+    acc = acc or {"acc_len": 23.0}
+    return cm.predict(shape, hw, context, batch, 2, ratio, draft_len, **acc)
+
+
+def test_presets_count_the_published_parameters():
+    assert SMOL.params == 134_515_008
+    assert LLAMA.params == 70_553_706_496
+    assert LLAMA.kv_bytes_per_token(2) == 327_680  # 80 layers x 8 heads x 128 x K,V x bf16
+
+
+def test_expected_acceptance_length():
+    assert cm.expected_acceptance_length(0.0, 30) == 1.0  # only the bonus token
+    assert cm.expected_acceptance_length(1.0, 30) == 31.0  # every draft + the bonus
+    assert cm.expected_acceptance_length(0.5, 1) == pytest.approx(1.5)
+    lens = [cm.expected_acceptance_length(a, 30) for a in (0.5, 0.8, 0.9, 0.97, 0.999)]
+    assert lens == sorted(lens) and lens[-1] < 31
+    with pytest.raises(ValueError):
+        cm.expected_acceptance_length(1.2, 30)
+
+
+@pytest.mark.parametrize("hw", [GPU, cm.h100_nvl_x2(), CPU], ids=["h100-unlimited", "h100-nvl-x2", "cpu"])
+def test_full_kv_throughput_falls_with_context(hw):
+    shape = SMOL if hw is CPU else LLAMA
+    rates = [cm.predict(shape, hw, c, 8, 2, 4, 30, acc_len=20)["tok_s"]["full_resident"]
+             for c in (1024, 4096, 16384, 32768)]
+    assert all(a > b for a, b in zip(rates, rates[1:])), rates
+
+
+def test_offloaded_full_kv_is_slower_than_resident():
+    for context in (1024, 8192, 65536):
+        resident = cm.full_kv_step_time(LLAMA, GPU, context, 8, 2)
+        offloaded = cm.full_kv_step_time(LLAMA, GPU, context, 8, 2, offloaded=True)
+        serial = cm.full_kv_step_time(LLAMA, GPU, context, 8, 2, offloaded=True, overlap=False)
+        assert resident < offloaded < serial
+    assert speedup()["tok_s"]["full_offloaded"] < speedup()["tok_s"]["full_resident"]
+    with pytest.raises(ValueError, match="no host link"):
+        cm.full_kv_step_time(SMOL, CPU, 1024, 1, 4, offloaded=True)
+
+
+def test_speedup_grows_with_ratio_and_acceptance():
+    by_ratio = [speedup(ratio=r)["best_speedup"] for r in (1, 2, 4, 8, 16)]
+    assert all(a < b for a, b in zip(by_ratio, by_ratio[1:])), by_ratio
+    by_alpha = [speedup(alpha=a)["best_speedup"] for a in (0.5, 0.8, 0.9, 0.97, 1.0)]
+    assert all(a < b for a, b in zip(by_alpha, by_alpha[1:])), by_alpha
+    # on a capacity-limited device a 4x ratio also buys batch: more requests held
+    held = speedup(hw=cm.h100_nvl_x2(), batch=32)["batch"]
+    assert held["vericache_offloaded"] > held["full_resident"] >= 1
+
+
+def test_speedup_bounds():
+    for hw, shape in ((GPU, LLAMA), (CPU, SMOL)):
+        for acc_len in (1.0, 8.0, 23.0, 31.0):
+            p = speedup(hw=hw, shape=shape, acc_len=acc_len)
+            # a round costs at least one full-KV pass (the verify), so it cannot beat acc_len
+            assert p["speedup"]["vericache_resident"] <= acc_len
+            assert p["best_speedup"] <= p["ideal_speedup"] + 1e-12
+    # resident, unlimited memory, free flops, everything accepted, long drafts: the speedup
+    # tends to the bandwidth bound (W + KV) / (W + KV / ratio), never above the ratio
+    free_flops = replace(GPU, flops=1e30)
+    context, batch, ratio = 32768, 8, 4.0
+    weights = LLAMA.read_params() * 2
+    kv = batch * context * LLAMA.kv_bytes_per_token(2)
+    bound = (weights + kv) / (weights + kv / ratio)
+    long_draft = cm.predict(LLAMA, free_flops, context, batch, 2, ratio, 20000, alpha=1.0)
+    assert long_draft["speedup"]["vericache_resident"] == pytest.approx(bound, rel=0.01)
+    assert bound < ratio
+
+
+def test_round_overlap_hides_the_transfer():
+    args = (LLAMA, GPU, 32768, 8, 2, 4.0, 30)
+    resident = cm.vericache_round_time(*args, offloaded=False)
+    overlapped = cm.vericache_round_time(*args, offloaded=True)
+    serial = cm.vericache_round_time(*args, offloaded=True, overlap=False)
+    transfer = 8 * 32768 * LLAMA.kv_bytes_per_token(2) / GPU.host_link_bw
+    assert overlapped == pytest.approx(max(resident, transfer))
+    assert serial == pytest.approx(resident + transfer)
+
+
+def test_paper_example_within_tolerance():
+    """Llama-70B on 2x H100 NVL, 4x, draft 30, acc_len 23 (paper: 102 -> 256 tok/s) under
+    the assumptions in cm.PAPER_ASSUMPTIONS (32k context, 32 requests offered)."""
+    rep = cm.paper_report()
+    tok_s = rep["prediction"]["tok_s"]
+    # the paper's baseline matches full KV RESIDENT with the batch capped by HBM ...
+    assert tok_s["full_resident"] == pytest.approx(102, rel=0.35)
+    assert tok_s["vericache_offloaded"] == pytest.approx(256, rel=0.35)
+    assert rep["prediction"]["best_speedup"] == pytest.approx(256 / 102, rel=0.35)
+    # ... and NOT full KV streamed over PCIe at every step: at 32k that gives ~12 tok/s,
+    # and 102 tok/s would need a ~4k context, not the long-context setting. So we assert
+    # only the looser relation the model can justify.
+    assert tok_s["full_offloaded"] < 0.5 * 102
+    assert 3000 < rep["context_where_streamed_baseline_is_102"] < 5000
+
+
+def test_fraction_of_bound():
+    assert cm.fraction_of_bound(2.0, 2.5) == pytest.approx(0.8)
+    assert cm.gain_fraction(1.0, 1.25) == 0.0  # the lenient case fraction_of_bound warns of
+    assert cm.gain_fraction(1.2, 0.9) is None
+    with pytest.raises(ValueError):
+        cm.fraction_of_bound(1.0, 0.0)
+
+
+def test_predict_rejects_bad_acceptance():
+    with pytest.raises(ValueError):
+        speedup(acc_len=20.0, alpha=0.9)
+    with pytest.raises(ValueError):
+        cm.predict(LLAMA, GPU, 1024, 1, 2, 4.0, 30)
+    with pytest.raises(ValueError):
+        speedup(acc_len=32.0)  # more than draft_len + 1
+
+
+def test_measured_report(tmp_path):
+    rows = [{"context": 8192, "batch": 4, "compressor": c, "draft_len": 30, "mean_acc_len": 17.0,
+             "tok_s_vc": 12.0, "tok_s_off": 15.0, "time_split": {"draft": 6.0, "verify": 3.0, "other": 1.0}}
+            for c in ("kivi4", "streamingllm")]
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps({"results": rows}))
+    kivi, stream = cm.measured_report(path, CPU, nominal_ratio=4.0)
+    p = cm.predict(SMOL, CPU, 8192, 4, 4, 4.0, 30, acc_len=17.0)["best_speedup"]
+    assert kivi["predicted_speedup"] == pytest.approx(p)
+    assert kivi["fraction_of_bound"] == pytest.approx(0.8 / p)
+    # our drafter reads a dequantized dense copy: kivi4 as built saves no draft bandwidth
+    assert kivi["predicted_speedup_as_built"] < kivi["predicted_speedup"]
+    assert stream["predicted_speedup_as_built"] == pytest.approx(stream["predicted_speedup"])
+    assert kivi["draft_share"]["measured"] == pytest.approx(0.6)
+    assert 0 < kivi["draft_share"]["predicted"] < 1
+
+
+def test_cli_paper_writes_json(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cm.json"
+    monkeypatch.setattr(sys, "argv", ["cost_model.py", "--paper", "--cpu-mem-bw", "7e9",
+                                      "--cpu-flops", "4e10", "--out", str(out)])
+    cm.main()
+    result = json.loads(out.read_text())
+    assert {"paper", "cpu", "commit"} <= set(result)
+    assert [r["context"] for r in result["cpu"]["grid"]] == [2048, 2048, 4096, 4096, 8192, 8192]
+    assert "VeriCache, full KV offloaded" in capsys.readouterr().out
