@@ -17,6 +17,15 @@ from sgl_vericache.spec.accept import (
     sampling_probs,
 )
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tensors here are tiny: extra intra-op threads only contend for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --- statistics ----------------------------------------------------------------------------
 
 ALPHA = 1e-3  # significance of every goodness-of-fit check (fixed seeds: deterministic)
@@ -237,14 +246,14 @@ def tiny_models(seed=0):
     return target, draft
 
 
-def speculate(rule, target, draft, seed, greedy_draft=False, random_lengths=False):
+def speculate(rule, target, draft, seed, greedy_draft=False, random_lengths=False, samples=SAMPLES):
     """Run speculative rounds (draft CHAIN tokens from ``draft``, verify with ``rule`` against
-    ``target`` rows along the chain) until every sample emitted CHAIN tokens; [SAMPLES, CHAIN]."""
+    ``target`` rows along the chain) until every sample emitted CHAIN tokens; [samples, CHAIN]."""
     gen = torch.Generator().manual_seed(seed)
-    rows = torch.arange(SAMPLES)
-    history = torch.full((SAMPLES, len(PREFIX) + CHAIN * (CHAIN + 1)), -1)  # at most CHAIN rounds
+    rows = torch.arange(samples)
+    history = torch.full((samples, len(PREFIX) + CHAIN * (CHAIN + 1)), -1)  # at most CHAIN rounds
     history[:, : len(PREFIX)] = torch.tensor(PREFIX)
-    length = torch.full((SAMPLES,), len(PREFIX))
+    length = torch.full((samples,), len(PREFIX))
     while (length < len(PREFIX) + CHAIN).any():
         a, b = history[rows, length - 2], history[rows, length - 1]
         candidates, q_rows, p_rows = [b], [], [target(a, b)]
@@ -259,11 +268,11 @@ def speculate(rule, target, draft, seed, greedy_draft=False, random_lengths=Fals
             candidates.append(d)
             q_rows.append(q)
             p_rows.append(target(a, b))
-        max_accept = torch.randint(0, CHAIN + 1, (SAMPLES,), generator=gen) if random_lengths else [CHAIN] * SAMPLES
+        max_accept = torch.randint(0, CHAIN + 1, (samples,), generator=gen) if random_lengths else [CHAIN] * samples
         num_accepted, tokens = rule(
             torch.stack(candidates, 1), torch.stack(p_rows, 1), torch.stack(q_rows, 1), max_accept, gen
         )
-        emitted = torch.arange(CHAIN + 1) <= num_accepted[:, None]  # [SAMPLES, CHAIN + 1]
+        emitted = torch.arange(CHAIN + 1) <= num_accepted[:, None]  # [samples, CHAIN + 1]
         assert (tokens[emitted] >= 0).all() and (tokens[~emitted] == -1).all()
         positions = length[:, None] + torch.arange(CHAIN + 1)
         history[rows[:, None].expand_as(positions)[emitted], positions[emitted]] = tokens[emitted]
@@ -358,7 +367,7 @@ def test_rejection_edge_cases():
 
 def test_same_seed_same_output():
     target, draft = tiny_models()
-    runs = [speculate(rejection_sample_chain, target, draft, seed=s) for s in (5, 5, 6)]
+    runs = [speculate(rejection_sample_chain, target, draft, seed=s, samples=1000) for s in (5, 5, 6)]
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
     probs = torch.softmax(torch.randn(100, V), -1)
