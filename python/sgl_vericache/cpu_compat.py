@@ -85,7 +85,28 @@ class _StandInLoader(importlib.abc.Loader):
         return module
 
     def exec_module(self, module):
-        pass
+        if module.__name__ == PACKAGE:
+            _register_torch_ops()
+
+
+# Ops SGLang reaches as ``torch.ops.sgl_kernel.<name>`` (after ``import sgl_kernel``), with
+# their schemas; defined on the first import of the stand-in.
+TORCH_OPS = {
+    "murmur_hash32_cpu": "(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor",
+}
+_torch_library = None
+
+
+def _register_torch_ops() -> None:
+    global _torch_library
+    if _torch_library is not None:
+        return
+    import torch
+
+    _torch_library = torch.library.Library(PACKAGE, "FRAGMENT")
+    for name, schema in TORCH_OPS.items():
+        _torch_library.define(name + schema)
+        _torch_library.impl(name, implemented_ops()[name], "CPU")
 
 
 class _Finder(importlib.abc.MetaPathFinder):
