@@ -14,6 +14,7 @@ here, so a version bump is one file's work:
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -37,6 +38,12 @@ def register_all() -> None:
 
     cpu_compat.install()
     _register_spec_algorithm()
+    _install_seeded_sampling()
+    from sgl_vericache.config import VeriCacheConfig
+
+    vc = VeriCacheConfig.from_env()
+    if vc is not None and vc.deterministic:
+        _install_row_invariant_forward()
 
 
 def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
@@ -152,7 +159,7 @@ def _build_worker_class():
     import torch
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-    from sglang.srt.runtime_context import get_device, get_schedule, get_spec
+    from sglang.srt.runtime_context import get_device, get_observability, get_schedule, get_spec
     from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
     from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
@@ -185,17 +192,37 @@ def _build_worker_class():
             self.ngram_corpus = _NoCorpus(self._release_departed)
             self._draft_backend = None
             self._verify_backend = None
+            self._round = None  # this round's sampled-draft state (_SampledRound), if any
+            self._rng = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
+            self.stats = _Stats(get_observability().enable_metrics)
+            _install_verify_sampler()
 
         def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
             # SGLang's CPU attention (torch_native) has no TARGET_VERIFY path: run the
             # whole iteration with a backend that adds one and delegates the rest.
             if self._verify_backend is None:
-                self._verify_backend = _make_verify_backend(self.model_runner)
+                self._verify_backend = _make_verify_backend(self.model_runner, self.vc.deterministic)
             capture = batch.forward_mode.is_extend() and self._needs_queries(batch)
             self._verify_backend.capture = self._queries if capture else None
             self._verify_backend.capture_rids = [req.rid for req in batch.reqs] if capture else None
-            with forward_context(ForwardContext(attn_backend=self._verify_backend)):
-                return super().forward_batch_generation(batch, on_publish, pp_proxy_tensors)
+            global _ACTIVE_WORKER
+            is_round = batch.forward_mode.is_decode()
+            _ACTIVE_WORKER = self
+            t0 = time.perf_counter()
+            try:
+                with forward_context(ForwardContext(attn_backend=self._verify_backend)):
+                    result = super().forward_batch_generation(batch, on_publish, pp_proxy_tensors)
+            finally:
+                _ACTIVE_WORKER = None
+                self._round = None
+            if is_round and result.accept_lens is not None:
+                self.stats.verified(time.perf_counter() - t0, result.accept_lens.tolist())
+            self.stats.end_iteration()
+            return result
+
+        def verify_sample(self, verify_input, batch, logits_output, grammar_mask):
+            """Acceptance for a batch that samples (see ``_sample_verify``)."""
+            return _sample_verify(self, verify_input, batch, logits_output, grammar_mask)
 
         def _needs_queries(self, batch):
             return any(self._plan(req)[0].needs_queries for req in batch.reqs)
@@ -237,7 +264,9 @@ def _build_worker_class():
             self._sync_store(batch, verified, plans)
             roots = [_last_token(req) for req in batch.reqs]
             steps = max(draft_len for _, draft_len in plans)
+            t0 = time.perf_counter()
             drafts = self._draft(batch, roots, verified, steps)  # [bs, steps]
+            self.stats.drafted(time.perf_counter() - t0, sum(d for _, d in plans))
             drafts = _pad_drafts(drafts, [draft_len for _, draft_len in plans], n - 1)
             tokens = np.concatenate([np.asarray(roots, dtype=np.int64)[:, None], drafts], axis=1)
             chain = np.tril(np.ones((n, n), dtype=bool))
@@ -271,12 +300,17 @@ def _build_worker_class():
             tokens = torch.tensor(roots, dtype=torch.int64, device=self.device)
             base = torch.tensor(verified, dtype=torch.int64, device=self.device)
             out = torch.empty((bs, steps), dtype=torch.int64)
+            info = batch.sampling_info
+            self._round = None if info.is_all_greedy else _SampledRound(self, batch)
             with forward_context(ForwardContext(attn_backend=self._draft_backend), forward_batch=fb):
                 for step in range(steps):
                     fb.input_ids = tokens
                     fb.positions = base + step
                     logits = self.model_runner.forward(fb).logits_output.next_token_logits
-                    tokens = torch.argmax(logits, dim=-1)
+                    if self._round is None:
+                        tokens = torch.argmax(logits, dim=-1)
+                    else:
+                        tokens = self._round.draw(logits, fb.positions)
                     out[:, step] = tokens.cpu()
             return out.numpy()
 
@@ -367,7 +401,7 @@ def _make_draft_backend(model_runner, store):
     return _DraftAttentionBackend()
 
 
-def _make_verify_backend(model_runner):
+def _make_verify_backend(model_runner, deterministic=False):
     """The target's attention backend plus a TARGET_VERIFY path: each request's draft
     queries attend over its full verified KV (all visible) and the draft block under the
     verify mask (a linear chain for VERICACHE: causal). Computed in fp32 per request."""
@@ -386,6 +420,7 @@ def _make_verify_backend(model_runner):
             self.token_to_kv_pool = model_runner.token_to_kv_pool
             self.capture = None  # rid -> {layer_id: queries}, set per extend batch
             self.capture_rids = None
+            self.deterministic = deterministic
 
         def __getattr__(self, name):
             return getattr(self.inner, name)
@@ -424,6 +459,9 @@ def _verify_attention(backend, q, layer, forward_batch):
         prefix = seq_lens[b]
         slots = req_to_token[rows[b], : prefix + n].to(torch.int64)
         keys, values = k_cache[slots], v_cache[slots]  # [prefix + n, H_kv, D]
+        if backend.deterministic:
+            out[b] = _decode_shaped_rows(q[b], keys, values, prefix, layer.scaling, hq != keys.shape[1])
+            continue
         visible = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=q.device), tree[b]], dim=1)
         o = F.scaled_dot_product_attention(
             q[b].transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
@@ -433,6 +471,27 @@ def _verify_attention(backend, q, layer, forward_batch):
     return out.reshape(bs * n, hq * dv)
 
 
+def _decode_shaped_rows(q, keys, values, prefix, scale, gqa):
+    """Deterministic mode: verify row j computed exactly as SGLang's torch_native decode
+    computes a one-token step at that position (same call, shapes and strides), so its
+    output is bit-equal to decode's. Valid for a linear chain (row j sees the prefix and
+    rows 0..j). q: [n, H_q, D]; keys/values: [prefix + n, H_kv, D]."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention
+
+    rows = []
+    for j in range(q.shape[0]):
+        end = prefix + j + 1
+        o = scaled_dot_product_attention(
+            q[j : j + 1].movedim(0, 1).unsqueeze(0),  # [1, H_q, 1, D]
+            keys[:end].movedim(0, 1).unsqueeze(0),
+            values[:end].movedim(0, 1).unsqueeze(0),
+            attn_mask=None, enable_gqa=gqa, scale=scale, is_causal=False,
+        )
+        rows.append(o.squeeze(0).movedim(1, 0))  # [1, H_q, Dv]
+    return torch.cat(rows)
+
+
 def _verify_tree_mask(forward_batch, bs, n, device):
     import torch
 
@@ -440,3 +499,361 @@ def _verify_tree_mask(forward_batch, bs, n, device):
     if mask is None or mask.numel() != bs * n * n:
         return torch.tril(torch.ones(n, n, dtype=torch.bool, device=device)).expand(bs, n, n)
     return mask.reshape(bs, n, n).to(torch.bool)
+
+
+# --- seeded sampling on the torch sampler ------------------------------------------------
+
+
+def _install_seeded_sampling() -> None:
+    """Make ``sampling_seed`` work with SGLang's pytorch sampling backend.
+
+    SGLang draws position-keyed samples (a hash of seed, position and token id turned into
+    Gumbel noise) only under ``--enable-deterministic-inference``, which refuses the CPU
+    attention backend. Here every batch sampled by the pytorch backend carries a seed per
+    request: the request's ``sampling_seed``, or a random seed drawn once per request. The
+    draw for output position i then depends only on (seed, i) and the distribution, with
+    speculation on or off, which is what lets VeriCache's seeded mode be token-identical.
+    Requests without a seed are still sampled at random (their seed is random).
+
+    SGLang's seeded sampler refuses min-p, so a batch that needs min-p sampling carries no
+    seeds (and a merge into such a batch drops them): its requests are sampled with
+    ``torch.multinomial`` and seeded requests in it lose token-level reproducibility."""
+    import random
+
+    from sglang.srt.runtime_context import get_exec
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    if getattr(SamplingBatchInfo.from_schedule_batch, "_vericache", False):
+        return
+    original = SamplingBatchInfo.from_schedule_batch.__func__
+
+    def from_schedule_batch(cls, batch, vocab_size):
+        import torch
+
+        info = original(cls, batch, vocab_size)
+        if (info.sampling_seed is None and not info.need_min_p_sampling
+                and get_exec().kernel.sampling_backend == "pytorch"):
+            seeds = []
+            for req in batch.reqs:
+                seed = req.sampling_params.sampling_seed
+                if seed is None:
+                    seed = getattr(req, "_vericache_seed", None)
+                    if seed is None:
+                        seed = req._vericache_seed = random.getrandbits(62)
+                seeds.append(seed)
+            info.sampling_seed = torch.tensor(seeds, dtype=torch.int64, device=info.temperatures.device)
+        return info
+
+    from_schedule_batch._vericache = True
+    SamplingBatchInfo.from_schedule_batch = classmethod(from_schedule_batch)
+
+    original_merge = SamplingBatchInfo.merge_batch
+
+    def merge_batch(self, other, *args, **kwargs):
+        original_merge(self, other, *args, **kwargs)
+        if self.need_min_p_sampling and not get_exec().deterministic.enable_deterministic_inference:
+            self.sampling_seed = None
+
+    SamplingBatchInfo.merge_batch = merge_batch
+
+
+# --- deterministic mode: row-invariant linear layers -------------------------------------
+
+# Every matrix product with a weight runs on blocks of exactly this many rows (the last one
+# zero-padded), so a row's result never depends on how many rows share the call: a
+# one-token decode step and a verify pass of draft_len + 1 tokens give bit-equal rows.
+ROW_BLOCK = 16
+
+
+def _row_invariant_linear(x, weight, bias=None):
+    import torch
+    import torch.nn.functional as F
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    pad = (-m) % ROW_BLOCK
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, k)])
+    out = torch.cat([F.linear(rows[i : i + ROW_BLOCK], weight, bias) for i in range(0, m + pad, ROW_BLOCK)])
+    return out[:m].reshape(*lead, weight.shape[0])
+
+
+def _row_invariant_mode():
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class RowInvariantMatmul(TorchFunctionMode):
+        """Routes weight products (F.linear, and matmul/mm against a 2-D right operand,
+        as the lm_head does) through ``_row_invariant_linear``."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.linear and not kwargs:
+                return _row_invariant_linear(*args)
+            if func in (torch.matmul, torch.mm, torch.Tensor.matmul) and not kwargs and len(args) == 2:
+                a, b = args
+                if isinstance(b, torch.Tensor) and b.dim() == 2 and a.dim() >= 2:
+                    return _row_invariant_linear(a, b.t())
+            return func(*args, **kwargs)
+
+    return RowInvariantMatmul()
+
+
+def _install_row_invariant_forward() -> None:
+    """``--vericache-deterministic``: every forward of the model runner (prefill, decode,
+    draft, verify) uses row-invariant weight products. Attention is made row-invariant
+    separately (``_verify_attention`` computes each verify row as a decode step would)."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    if getattr(ModelRunner.forward, "_vericache", False):
+        return
+    original = ModelRunner.forward
+
+    def forward(self, *args, **kwargs):
+        with _row_invariant_mode():
+            return original(self, *args, **kwargs)
+
+    forward._vericache = True
+    ModelRunner.forward = forward
+    logger.info("VeriCache deterministic mode: row-invariant weight products (blocks of %d rows)", ROW_BLOCK)
+
+
+# --- sampling: drafts and acceptance for batches that do not decode greedily --------------
+
+_ACTIVE_WORKER = None  # the VeriCacheWorker inside its forward_batch_generation
+
+
+def _install_verify_sampler() -> None:
+    """NGRAM's verify calls ``eagle_sample``, which on CPU always commits argmax. For a
+    VERICACHE batch that samples, acceptance goes to the worker instead; everything else
+    (greedy batches, other algorithms) keeps SGLang's function."""
+    from sglang.srt.speculative import ngram_worker
+
+    original = ngram_worker.eagle_sample
+    if getattr(original, "_vericache", False):
+        return
+
+    def eagle_sample(verify_input, batch, logits_output, grammar_mask=None, *args, **kwargs):
+        worker = _ACTIVE_WORKER
+        if worker is None or worker._round is None or batch.sampling_info.is_all_greedy:
+            return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
+        return worker.verify_sample(verify_input, batch, logits_output, grammar_mask)
+
+    eagle_sample._vericache = True
+    ngram_worker.eagle_sample = eagle_sample
+
+
+def _expand(t, repeat):
+    import torch
+
+    return None if t is None else torch.repeat_interleave(t, repeat, dim=0)
+
+
+def _sampler_draw(sampler, logits, info, repeat, positions):
+    """The tokens SGLang's own sampler would draw from ``logits`` (one row per position;
+    each request's parameters repeated ``repeat`` times), through its own code: temperature,
+    softmax, then its pytorch-backend top-k/top-p/min-p sampling with the batch's seeds
+    at ``positions``. Equal logits give equal tokens to a non-speculative decode step."""
+    import types
+
+    import torch
+    from sglang.srt.layers import sampler as sampler_mod
+
+    x = logits.clone()
+    x.div_(_expand(info.temperatures, repeat))
+    probs = torch.softmax(x, dim=-1) if sampler.enable_deterministic else sampler_mod.sampler_softmax(x)
+    rows = types.SimpleNamespace(
+        sampling_mask_batch_indices=None,
+        sampling_seed=_expand(info.sampling_seed, repeat),
+        top_ks=_expand(info.top_ks, repeat),
+        top_ps=_expand(info.top_ps, repeat),
+        min_ps=_expand(info.min_ps, repeat),
+        need_min_p_sampling=info.need_min_p_sampling,
+        max_top_k=getattr(info, "max_top_k", None),
+    )
+    simple = not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling)
+    tokens, _ = sampler._sample_from_probs(probs, rows, positions, simple)
+    return tokens.to(torch.int64)
+
+
+class _SampledRound:
+    """Per-round drafting state for a batch that samples.
+
+    Rows come in two kinds. *Matched* rows (a ``sampling_seed`` given, or greedy) draft
+    with SGLang's sampler over the draft logits at the same (seed, position) the target
+    will use, and are verified by comparing each draft token with the target's own draw:
+    token-identical to non-speculative seeded sampling. *Rejection* rows (no seed) draft
+    by sampling q (the draft distribution under the request's temperature/top-k/top-p)
+    and are verified by speculative rejection sampling: the output is distributed exactly
+    as non-speculative sampling."""
+
+    def __init__(self, worker, batch):
+        from sgl_vericache.spec.accept import sampling_probs
+
+        self.worker = worker
+        self.info = batch.sampling_info
+        self._sampling_probs = sampling_probs
+        greedy = (self.info.top_ks.view(-1) == 1).tolist()
+        seeded = [req.sampling_params.sampling_seed is not None for req in batch.reqs]
+        self.matched = [g or s for g, s in zip(greedy, seeded)]
+        if self.info.sampling_seed is None:  # no seeds in this batch: match greedy rows only
+            self.matched = greedy
+        self.q_steps = []  # per step: [bs, V] draft distributions (rejection rows; others unused)
+
+    def draw(self, logits, positions):
+        import torch
+
+        bs = logits.shape[0]
+        tokens = torch.empty(bs, dtype=torch.int64)
+        match_rows = [i for i, m in enumerate(self.matched) if m]
+        rej_rows = [i for i, m in enumerate(self.matched) if not m]
+        q = None
+        if match_rows:
+            idx = torch.tensor(match_rows)
+            info = _RowView(self.info, idx)
+            tokens[idx] = _sampler_draw(self.worker.model_runner.sampler, logits[idx], info, 1, positions[idx])
+        if rej_rows:
+            idx = torch.tensor(rej_rows)
+            q = torch.zeros(logits.shape, dtype=torch.float32)
+            q[idx] = self._probs(logits[idx], idx, 1)
+            tokens[idx] = torch.multinomial(q[idx], 1, generator=self.worker._rng).view(-1)
+        self.q_steps.append(q)
+        return tokens
+
+    def _probs(self, logits, idx, repeat):
+        info = self.info
+        pick = lambda t: _expand(t[idx], repeat)  # noqa: E731
+        return self._sampling_probs(
+            logits.float(), pick(info.temperatures).view(-1), pick(info.top_ks).view(-1),
+            pick(info.top_ps).view(-1), pick(info.min_ps).view(-1),
+        )
+
+
+class _RowView:
+    """A SamplingBatchInfo restricted to some rows (the fields the sampler reads)."""
+
+    def __init__(self, info, idx):
+        for name in ("temperatures", "top_ks", "top_ps", "min_ps", "sampling_seed"):
+            value = getattr(info, name)
+            setattr(self, name, None if value is None else value[idx])
+        for name in ("need_top_p_sampling", "need_top_k_sampling", "need_min_p_sampling", "max_top_k"):
+            setattr(self, name, getattr(info, name, None))
+
+
+def _sample_verify(worker, verify_input, batch, logits_output, grammar_mask):
+    """Acceptance for a VERICACHE verify pass over a sampling batch; returns what SGLang's
+    ``eagle_sample`` returns: (predict [bs*n] int32, accept_lens [bs] int32 incl. the bonus,
+    accept_index [bs, n] int32 rows into the verify pass, -1 past the accepted ones)."""
+    import torch
+
+    from sgl_vericache.spec.accept import chain_match, rejection_sample_chain
+
+    rnd = worker._round
+    info = batch.sampling_info
+    bs, n = len(batch.reqs), verify_input.draft_token_num
+    logits = logits_output.next_token_logits
+    # The same relaxed penalties and logit bias SGLang's verify applies, and the grammar.
+    if info.acc_additive_penalties is not None:
+        logits.add_(torch.repeat_interleave(info.acc_additive_penalties, n, dim=0))
+    if info.acc_scaling_penalties is not None:
+        from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+        apply_scaling_penalties(logits, torch.repeat_interleave(info.acc_scaling_penalties, n, dim=0))
+    if info.logit_bias is not None:
+        logits.add_(torch.repeat_interleave(info.logit_bias, n, dim=0))
+    if grammar_mask is not None:
+        grammar_mask.apply(logits)
+
+    candidates = verify_input.draft_token.reshape(bs, n).to(torch.int64).cpu()
+    logits = logits.reshape(bs, n, -1)
+    positions = verify_input.positions.reshape(bs, n).to(torch.int64)
+    num_acc = torch.zeros(bs, dtype=torch.int64)
+    tokens = torch.full((bs, n), -1, dtype=torch.int64)
+    max_accept = torch.full((bs,), n - 1, dtype=torch.int64)
+
+    match_rows = [i for i, m in enumerate(rnd.matched) if m]
+    if match_rows:
+        idx = torch.tensor(match_rows)
+        targets = _sampler_draw(worker.model_runner.sampler, logits[idx].reshape(len(idx) * n, -1),
+                                _RowView(info, idx), n, positions[idx].reshape(-1)).view(len(idx), n)
+        k, toks = chain_match(candidates[idx], targets.cpu(), max_accept[idx])
+        num_acc[idx], tokens[idx] = k, toks
+    rej_rows = [i for i, m in enumerate(rnd.matched) if not m]
+    if rej_rows:
+        idx = torch.tensor(rej_rows)
+        r = len(rej_rows)
+        p = rnd._probs(logits[idx].reshape(r * n, -1), idx, n).view(r, n, -1)
+        q = torch.zeros((r, n - 1, p.shape[-1]), dtype=torch.float32)
+        for j in range(n - 1):
+            step_q = rnd.q_steps[j] if j < len(rnd.q_steps) else None
+            if step_q is not None:
+                q[:, j] = step_q[idx]
+            # Columns past a request's own draft length repeat its last draft token, a
+            # deterministic proposal: one-hot q (also where no q was recorded).
+            pad = q[:, j].sum(-1) == 0
+            if pad.any():
+                q[pad, j] = 0.0
+                q[pad, j, candidates[idx[pad], j + 1]] = 1.0
+        k, toks = rejection_sample_chain(candidates[idx], p, q, max_accept[idx], generator=worker._rng)
+        num_acc[idx], tokens[idx] = k, toks
+
+    device = logits.device
+    predict = torch.zeros(bs * n, dtype=torch.int32)
+    accept_index = torch.full((bs, n), -1, dtype=torch.int32)
+    for b in range(bs):
+        k = int(num_acc[b])
+        rows = torch.arange(b * n, b * n + k + 1)
+        accept_index[b, : k + 1] = rows.to(torch.int32)
+        predict[rows] = tokens[b, : k + 1].to(torch.int32)
+    accept_lens = (num_acc + 1).to(torch.int32)
+    return predict.to(device), accept_lens.to(device), accept_index.to(device)
+
+
+# --- counters -------------------------------------------------------------------------
+
+
+class _Stats:
+    """Server-level VeriCache counters. With ``--enable-metrics`` they are Prometheus
+    counters on SGLang's /metrics (``vericache:*``); always kept as plain totals too."""
+
+    NAMES = {
+        "rounds": "Verify rounds (one per request per iteration)",
+        "drafted_tokens": "Draft tokens proposed (each request's own draft length)",
+        "accepted_tokens": "Draft tokens accepted by verify",
+        "emitted_tokens": "Tokens emitted by verify rounds (accepted + bonus)",
+        "draft_seconds": "Wall time spent drafting over compressed KV",
+        "verify_seconds": "Wall time of verify passes incl. acceptance and KV commit",
+    }
+
+    def __init__(self, enable_metrics: bool):
+        self.totals = {name: 0.0 for name in self.NAMES}
+        self._prom = {}
+        if enable_metrics:
+            from prometheus_client import Counter
+
+            for name, doc in self.NAMES.items():
+                self._prom[name] = Counter(f"vericache:{name}", doc)
+        self._pending_draft = 0.0
+
+    def add(self, name, value):
+        self.totals[name] += value
+        if name in self._prom and value:
+            self._prom[name].inc(value)
+
+    def drafted(self, seconds, tokens):
+        self._pending_draft = seconds
+        self.add("draft_seconds", seconds)
+        self.add("drafted_tokens", tokens)
+
+    def verified(self, seconds, accept_lens):
+        lens = [int(x) for x in accept_lens]
+        self.add("verify_seconds", max(seconds - self._pending_draft, 0.0))
+        self.add("rounds", len(lens))
+        self.add("emitted_tokens", sum(lens))
+        self.add("accepted_tokens", sum(lens) - len(lens))
+        self._pending_draft = 0.0
+
+    def end_iteration(self):
+        self._pending_draft = 0.0

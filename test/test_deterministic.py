@@ -1,0 +1,66 @@
+"""Deterministic mode (``--vericache-deterministic``): verify logits are bit-equal to
+one-token decode logits, so VeriCache's output equals speculation off with no exception.
+
+Both engines run with the flag (it makes every weight product row-invariant, and each
+verify row's attention a decode-shaped call), one with speculation off. For all-greedy
+batches SGLang computes the returned logprobs from the logits with the same function
+(log_softmax) in decode and in verify, so bit-equal logprobs (the chosen token's and the
+top 5 at every step) are a direct check of bit-equal logits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from prompts import prompt_set
+from test_exactness import ENGINE_KW, _input_ids, first_divergence
+
+PROMPTS = prompt_set(1)[:4]
+CONFIGS = [("kivi4", 8), ("snapkv", 4), ("quest", 8), ("streamingllm", 1)]
+DRAFT_LEN = 8
+MAX_NEW = 40
+
+
+def _run(model_path, spec: bool):
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    from sglang.srt.entrypoints.engine import Engine
+
+    from sgl_vericache.config import VeriCacheConfig
+
+    VeriCacheConfig(enable=spec, draft_len=DRAFT_LEN, deterministic=True).to_env()
+    kw = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=DRAFT_LEN + 1,
+              speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True) if spec else {}
+    engine = Engine(model_path=str(model_path), **ENGINE_KW, **kw)
+    try:
+        params = [{"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+                   "custom_params": {"vericache_compressor": c, "vericache_draft_len": d}} for c, d in CONFIGS]
+        return engine.generate(input_ids=_input_ids(model_path, PROMPTS), sampling_params=params,
+                               return_logprob=True, top_logprobs_num=5)
+    finally:
+        engine.shutdown()
+        os.environ.pop("VERICACHE_CONFIG", None)
+
+
+@pytest.fixture(scope="module")
+def runs(default_model_path):
+    off = _run(default_model_path, spec=False)  # never two engines alive at once
+    on = _run(default_model_path, spec=True)
+    return off, on
+
+
+def test_deterministic_mode_is_bit_exact(runs):
+    off, on = runs
+    for (name, _), (comp, draft_len), a, b in zip(PROMPTS, CONFIGS, off, on):
+        where = f"prompt {name} [{comp}, draft_len={draft_len}]"
+        idx = first_divergence(b["output_ids"], a["output_ids"])
+        assert idx is None, f"{where}: first divergent index {idx}"
+        lp_off = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        lp_on = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        bad = [i for i, (x, y) in enumerate(zip(lp_off, lp_on)) if x != y]
+        assert not bad, f"{where}: logprob not bit-equal at steps {bad[:5]}: {lp_off[bad[0]]!r} vs {lp_on[bad[0]]!r}"
+        top_off = [[t[:2] for t in step] for step in a["meta_info"]["output_top_logprobs"]]
+        top_on = [[t[:2] for t in step] for step in b["meta_info"]["output_top_logprobs"]]
+        assert top_off == top_on, f"{where}: top-5 logprobs not bit-equal"
+        assert b["meta_info"]["spec_verify_ct"] < MAX_NEW, f"{where}: no draft was ever accepted"
