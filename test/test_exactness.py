@@ -48,23 +48,73 @@ def first_divergence(ours, ref):
     return None if len(ours) == len(ref) else min(len(ours), len(ref))
 
 
-def reference_outputs(model_path, ids, max_new_tokens):
-    """Speculation-off outputs, from an engine that is shut down before returning."""
+def reference_outputs(model_path, ids, max_new_tokens, extra=None):
+    """Speculation-off greedy outputs (token ids, and the top-2 logprobs at every step, for
+    near-tie diagnosis), from an engine that is shut down before returning. ``extra(engine,
+    greedy_ids)`` computes further references in the same engine."""
     engine = _engine(model_path)
     try:
-        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0})
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0},
+                              return_logprob=True, top_logprobs_num=2)
+        greedy = [o["output_ids"] for o in out]
+        top2 = [[[lp for lp, *_ in step] for step in o["meta_info"]["output_top_logprobs"]] for o in out]
+        more = extra(engine, greedy) if extra is not None else None
     finally:
         engine.shutdown()
-    return [o["output_ids"] for o in out]
+    return Reference(greedy, top2, more)
+
+
+class Reference(list):
+    """Greedy token ids per prompt (a list), plus ``top2`` and any ``extra`` results."""
+
+    def __init__(self, greedy, top2, extra):
+        super().__init__(greedy)
+        self.top2, self.extra = top2, extra
 
 
 CI_PROMPTS = prompt_set(3)[:8]
 
+# Seeded sampling: 4 prompts x 64 tokens; the draw at each position depends only on
+# (seed, position), so VeriCache must reproduce these token ids exactly.
+SEEDED = [{"max_new_tokens": 64, "temperature": 0.7, "top_p": 0.9, "sampling_seed": 1000 + i} for i in range(3)] + [
+    {"max_new_tokens": 64, "temperature": 1.0, "top_k": 20, "sampling_seed": 77}]
+
+
+def stop_params(tok, greedy):
+    """Requests that stop inside a draft: on a token id, on a string, at max_new_tokens,
+    each picked from the greedy reference so that it fires mid-generation."""
+    stop_id = greedy[0][min(21, len(greedy[0]) - 2)]
+    at = min(30, len(greedy[1]) - 4)
+    text = tok.decode(greedy[1][at : at + 3])
+    return [
+        {"max_new_tokens": 128, "temperature": 0, "stop_token_ids": [stop_id]},
+        {"max_new_tokens": 128, "temperature": 0, "stop": [text.strip() or text]},
+        {"max_new_tokens": 7, "temperature": 0},
+        {"max_new_tokens": 128, "temperature": 0, "stop": ["\n"], "no_stop_trim": True},
+    ]
+
+
+def _extra_references(model_path, ids):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+
+    def extra(engine, greedy):
+        seeded = engine.generate(input_ids=ids[:4], sampling_params=SEEDED)
+        stops = stop_params(tok, greedy)
+        stopped = engine.generate(input_ids=ids[:4], sampling_params=stops)
+        return {"seeded": [o["output_ids"] for o in seeded], "stops": stops,
+                "stopped": [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in stopped]}
+
+    return extra
+
 
 @pytest.fixture(scope="module")
 def reference(default_model_path):
-    """The CI prompt set's reference, computed once, before the VERICACHE engine exists."""
-    return reference_outputs(default_model_path, _input_ids(default_model_path, CI_PROMPTS), 128)
+    """The CI prompt set's references (greedy, seeded sampling, stop conditions), computed
+    once, before the VERICACHE engine exists."""
+    ids = _input_ids(default_model_path, CI_PROMPTS)
+    return reference_outputs(default_model_path, ids, 128, _extra_references(default_model_path, ids))
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +148,23 @@ def run_configs(engine, ids, configs, max_new_tokens, batch):
     return outs
 
 
-def check_identical(prompts, configs, outs, ref, batch):
+def check_identical(prompts, configs, outs, ref, batch, top2=None):
+    """Every output equals its reference; a failure names the prompt, the configuration,
+    the first divergent index and the reference's top-2 logprob margin there (a margin
+    under 1e-4 means a near-tie that fp32 rounding between verify and decode can flip)."""
     failures, accept = [], []
-    for (name, _), (comp, draft_len), out, expected in zip(prompts, configs, outs, ref):
+    for i, ((name, _), (comp, draft_len), out, expected) in enumerate(zip(prompts, configs, outs, ref)):
         ours = out["output_ids"]
         accept.append(out["meta_info"].get("spec_accept_length"))
         idx = first_divergence(ours, expected)
         if idx is not None:
+            margin = ""
+            if top2 is not None and idx < len(top2[i]) and len(top2[i][idx]) == 2:
+                margin = f", reference top-2 logprob margin there {top2[i][idx][0] - top2[i][idx][1]:.3g}"
             failures.append(f"prompt {name} [{comp}, draft_len={draft_len}, batch={batch}]: "
-                            f"first divergent index {idx}: ours {ours[idx:idx + 3]} vs ref {expected[idx:idx + 3]}")
+                            f"first divergent index {idx}: ours {ours[idx:idx + 3]} vs ref {expected[idx:idx + 3]}"
+                            f"{margin}")
+    print(f"identical: {len(outs) - len(failures)}/{len(outs)}")
     assert not failures, "\n".join(failures)
     return accept
 
@@ -118,7 +176,7 @@ def test_every_compressor_and_draft_len_batch4(reference, vc_engine, default_mod
     configs = [(c, DRAFT_LENS[i % 4]) for i, c in enumerate(COMPRESSORS)]
     ref = reference
     outs = run_configs(vc_engine, ids, configs, 128, batch=4)
-    accept = check_identical(prompts, configs, outs, ref, batch=4)
+    accept = check_identical(prompts, configs, outs, ref, batch=4, top2=ref.top2)
     print("mean acceptance length per request:", accept)
 
 
@@ -130,8 +188,50 @@ def test_batch1_and_full_compressor(reference, vc_engine, default_model_path):
     picks = [0, 5]
     configs = [("snapkv", 16), ("full", 30)]
     outs = run_configs(vc_engine, [ids[i] for i in picks], configs, 128, batch=1)
-    accept = check_identical([prompts[i] for i in picks], configs, outs, [ref[i] for i in picks], batch=1)
+    accept = check_identical([prompts[i] for i in picks], configs, outs, [ref[i] for i in picks], batch=1,
+                             top2=[ref.top2[i] for i in picks])
     assert accept[1] is not None and accept[1] > 8, f"uncompressed drafts should mostly verify: {accept}"
+
+
+def _with_vc(params, comp, draft_len):
+    return {**params, "custom_params": {"vericache_compressor": comp, "vericache_draft_len": draft_len}}
+
+
+def test_seeded_sampling_is_token_identical(reference, vc_engine, default_model_path):
+    """Seeded mode: sampled output equals speculation-off sampling with the same seeds."""
+    ids = _input_ids(default_model_path, CI_PROMPTS[:4])
+    configs = [("kivi4", 16), ("h2o", 4), ("quest", 30), ("kivi2", 1)]
+    params = [_with_vc(p, c, d) for p, (c, d) in zip(SEEDED, configs)]
+    outs = vc_engine.generate(input_ids=ids, sampling_params=params)
+    accept = check_identical(CI_PROMPTS[:4], configs, outs, reference.extra["seeded"], batch=4)
+    print("seeded mean acceptance length per request:", accept)
+
+
+def test_stop_conditions_inside_drafts(reference, vc_engine, default_model_path):
+    """Stop token id, stop string, max_new_tokens and a kept stop string, each reached in
+    the middle of a draft of 16 or 30 tokens: exactly what speculation off emits."""
+    ids = _input_ids(default_model_path, CI_PROMPTS[:4])
+    stops, expected = reference.extra["stops"], reference.extra["stopped"]
+    params = [_with_vc(p, "kivi4", 30 if i % 2 else 16) for i, p in enumerate(stops)]
+    outs = vc_engine.generate(input_ids=ids, sampling_params=params)
+    for i, (out, (ref_ids, ref_text, ref_finish)) in enumerate(zip(outs, expected)):
+        assert out["output_ids"] == ref_ids, (stops[i], first_divergence(out["output_ids"], ref_ids))
+        assert out["text"] == ref_text, stops[i]
+        assert out["meta_info"]["finish_reason"] == ref_finish, stops[i]
+    assert len(expected[2][0]) == 7
+    assert len(expected[0][0]) < 128 and expected[0][2]["type"] == "stop"  # the stop fired mid-way
+
+
+def test_unseeded_sampling_runs_and_differs_across_requests(vc_engine, default_model_path):
+    """Rejection-sampling rows (no seed): valid output of the requested length, random
+    (two identical requests differ), with drafts still accepted. Distributional exactness
+    of the rule itself is test_accept.py's statistical test."""
+    ids = _input_ids(default_model_path, CI_PROMPTS[:1]) * 2
+    params = [_with_vc({"max_new_tokens": 48, "temperature": 0.8, "ignore_eos": True}, "kivi4", 16)] * 2
+    outs = vc_engine.generate(input_ids=ids, sampling_params=params)
+    assert all(len(o["output_ids"]) == 48 for o in outs)
+    assert outs[0]["output_ids"] != outs[1]["output_ids"]
+    assert all(o["meta_info"]["spec_accept_length"] > 1.5 for o in outs), [o["meta_info"] for o in outs]
 
 
 def test_bad_per_request_override_is_refused(vc_engine, default_model_path):
