@@ -214,6 +214,38 @@ def test_sampling_probs_matches_sglang_draws(sglang_sampler):
             assert counts[row_probs == 1].item() == draws_per_row, params
 
 
+def test_seeded_draws_with_min_p_fit_the_distribution(sglang_sampler):
+    """sgl_vericache lets SGLang's seeded sampler serve min-p (which it refuses alone) by
+    applying min-p first. Seeded draws at distinct positions are independent samples: they
+    must fit the same distribution as SGLang's own unseeded min-p sampling."""
+    from sglang.srt.layers import sampler as sampler_mod
+
+    from sgl_vericache.sglang_adapter import _seeded_min_p
+
+    _seeded_min_p()
+    draws_per_row = 20_000
+    logits = 2 * torch.randn(len(USER_PARAMS), VOCAB, generator=torch.Generator().manual_seed(4))
+    logits = logits.repeat_interleave(draws_per_row, dim=0)
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in USER_PARAMS]
+    column = lambda name, dtype: torch.tensor(  # noqa: E731  (as the engine normalizes them)
+        [getattr(sp, name) for sp in params for _ in range(draws_per_row)], dtype=dtype)
+    probs = torch.softmax(logits / column("temperature", torch.float32)[:, None], dim=-1)
+    seeds = torch.full((logits.shape[0],), 1234, dtype=torch.int64)
+    positions = torch.arange(logits.shape[0], dtype=torch.int64)
+    tokens = sampler_mod.top_k_top_p_min_p_sampling_from_probs_torch(
+        probs, column("top_k", torch.int64), column("top_p", torch.float32), column("min_p", torch.float32),
+        True, seeds, positions).long().view(len(USER_PARAMS), draws_per_row)
+    want = our_probs(logits).view(len(USER_PARAMS), draws_per_row, VOCAB)[:, 0].double()
+    for params, row_tokens, row_probs in zip(USER_PARAMS, tokens, want):
+        counts = torch.bincount(row_tokens, minlength=VOCAB)
+        assert counts[row_probs == 0].sum() == 0, params  # never a filtered-out token
+        if (row_probs > 0).sum() > 1:
+            fit = chi_square(counts, row_probs)
+            assert fit.pvalue > ALPHA, (params, fit)
+
+
 # --- rejection sampling on a tiny model ----------------------------------------------------
 
 V = 5  # tiny vocabulary

@@ -21,7 +21,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    server = ServerProcess([], tmp_path_factory.mktemp("server") / "server.log")
+    server = ServerProcess(["--enable-metrics"], tmp_path_factory.mktemp("server") / "server.log")
     server.wait_ready()
     yield server
     if server.proc.poll() is None:
@@ -129,6 +129,40 @@ def test_frontend_dsl(srv):
     assert len(states) == 2
     for st in states:
         assert st.text().count("- ") >= 2
+
+
+def test_sampling_mixed_batch_and_seeds(srv):
+    """Greedy, seeded, unseeded and min-p requests decoded together under VeriCache: all
+    answered; a seeded request is reproducible; the server stays healthy."""
+    import concurrent.futures as cf
+
+    base = {"text": "Write a haiku about the sea.", "sampling_params": {"max_new_tokens": 24}}
+    variants = [{"temperature": 0}, {"temperature": 0.8, "sampling_seed": 5}, {"temperature": 0.8},
+                {"temperature": 0.9, "min_p": 0.1}, {"temperature": 0.8, "sampling_seed": 5}]
+    bodies = [{**base, "sampling_params": {**base["sampling_params"], **v}} for v in variants]
+    with cf.ThreadPoolExecutor(len(bodies)) as pool:
+        replies = list(pool.map(lambda b: post(srv, "/generate", b), bodies))
+    for v, r in zip(variants, replies):
+        assert r.status_code == 200, (v, r.text)
+    seeded = [r.json()["output_ids"] for v, r in zip(variants, replies) if v.get("sampling_seed") == 5]
+    assert seeded[0] == seeded[1]
+    assert_healthy(srv)
+
+
+def test_acceptance_in_meta_info_and_metrics(srv):
+    r = post(srv, "/generate", {"text": "List the numbers from 1 to 30 separated by commas:",
+                                "sampling_params": {"max_new_tokens": 48, "temperature": 0}})
+    meta = r.json()["meta_info"]
+    assert meta["spec_verify_ct"] >= 1 and meta["spec_accept_length"] > 1.0, meta
+    hist = meta["spec_correct_drafts_histogram"]  # rounds per number of accepted drafts
+    assert sum(hist) == meta["spec_verify_ct"]
+    metrics = requests.get(srv.url + "/metrics", timeout=30).text
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("vericache:") and not line.startswith("#")}
+    assert values.get("vericache:rounds_total", 0) >= meta["spec_verify_ct"], sorted(values)
+    assert values["vericache:emitted_tokens_total"] >= values["vericache:accepted_tokens_total"] > 0
+    assert values["vericache:draft_seconds_total"] > 0 and values["vericache:verify_seconds_total"] > 0
+    assert "sglang:spec_accept_length" in metrics
 
 
 @pytest.mark.parametrize("body, expect", [

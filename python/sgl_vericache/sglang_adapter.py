@@ -515,9 +515,8 @@ def _install_seeded_sampling() -> None:
     speculation on or off, which is what lets VeriCache's seeded mode be token-identical.
     Requests without a seed are still sampled at random (their seed is random).
 
-    SGLang's seeded sampler refuses min-p, so a batch that needs min-p sampling carries no
-    seeds (and a merge into such a batch drops them): its requests are sampled with
-    ``torch.multinomial`` and seeded requests in it lose token-level reproducibility."""
+    SGLang's seeded top-k/top-p sampler refuses min-p; it is given min-p already applied
+    (``_seeded_min_p``), which gives the same distribution."""
     import random
 
     from sglang.srt.runtime_context import get_exec
@@ -531,8 +530,7 @@ def _install_seeded_sampling() -> None:
         import torch
 
         info = original(cls, batch, vocab_size)
-        if (info.sampling_seed is None and not info.need_min_p_sampling
-                and get_exec().kernel.sampling_backend == "pytorch"):
+        if info.sampling_seed is None and get_exec().kernel.sampling_backend == "pytorch":
             seeds = []
             for req in batch.reqs:
                 seed = req.sampling_params.sampling_seed
@@ -547,14 +545,30 @@ def _install_seeded_sampling() -> None:
     from_schedule_batch._vericache = True
     SamplingBatchInfo.from_schedule_batch = classmethod(from_schedule_batch)
 
-    original_merge = SamplingBatchInfo.merge_batch
+    _seeded_min_p()
 
-    def merge_batch(self, other, *args, **kwargs):
-        original_merge(self, other, *args, **kwargs)
-        if self.need_min_p_sampling and not get_exec().deterministic.enable_deterministic_inference:
-            self.sampling_seed = None
 
-    SamplingBatchInfo.merge_batch = merge_batch
+def _seeded_min_p() -> None:
+    """Let SGLang's seeded torch sampler serve min-p requests: zero the tokens under
+    min_p x (max prob) first, then sample top-k/top-p with min-p off. Equivalent to
+    SGLang's order (top-k, top-p, then min-p on the sorted probs): min-p removes only
+    tokens below the top one, which changes neither the ranks nor the cumulative sums of
+    the tokens that remain."""
+    from sglang.srt.layers import sampler as sampler_mod
+
+    original = sampler_mod.top_k_top_p_min_p_sampling_from_probs_torch
+    if getattr(original, "_vericache", False):
+        return
+
+    def sample(probs, top_ks, top_ps, min_ps, need_min_p_sampling, sampling_seed, positions, **kwargs):
+        if need_min_p_sampling and sampling_seed is not None:
+            threshold = probs.max(dim=-1, keepdim=True).values * min_ps.view(-1, 1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+            need_min_p_sampling = False
+        return original(probs, top_ks, top_ps, min_ps, need_min_p_sampling, sampling_seed, positions, **kwargs)
+
+    sample._vericache = True
+    sampler_mod.top_k_top_p_min_p_sampling_from_probs_torch = sample
 
 
 # --- deterministic mode: row-invariant linear layers -------------------------------------
