@@ -64,3 +64,27 @@ def test_deterministic_mode_is_bit_exact(runs):
         top_on = [[t[:2] for t in step] for step in b["meta_info"]["output_top_logprobs"]]
         assert top_off == top_on, f"{where}: top-5 logprobs not bit-equal"
         assert b["meta_info"]["spec_verify_ct"] < MAX_NEW, f"{where}: no draft was ever accepted"
+
+
+def test_row_invariant_linear_is_bit_exact_across_row_counts():
+    """The kernel behind the mode, on its own: a row's output is the same bits whatever
+    the number of rows in the call (plain F.linear is not: MKL picks other GEMM paths),
+    for the matmul route (the lm_head) too, and close to F.linear."""
+    import torch
+    import torch.nn.functional as F
+
+    from sgl_vericache.sglang_adapter import _row_invariant_linear, _row_invariant_mode
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(1536, 576, generator=g), torch.randn(1536, generator=g)
+    x = torch.randn(70, 576, generator=g)
+    one = _row_invariant_linear(x[:1], w, b)
+    for m in (2, 3, 16, 17, 31, 70):
+        assert torch.equal(_row_invariant_linear(x[:m], w, b)[0], one[0]), m
+    torch.testing.assert_close(_row_invariant_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    with _row_invariant_mode():
+        via_mode = [torch.matmul(x[:m], w.T)[0] for m in (1, 5, 40)]
+        via_linear = [F.linear(x[:m], w)[0] for m in (1, 5, 40)]
+    assert all(torch.equal(r, via_mode[0]) for r in via_mode + via_linear)
+    plain = [F.linear(x[:m], w)[0] for m in (1, 5, 40)]
+    print("plain F.linear row-invariant on this CPU:", all(torch.equal(r, plain[0]) for r in plain))
