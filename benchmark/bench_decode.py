@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_spec import COMPRESSORS, ENGINE_KW, ROOT, EngineProc, first_divergence, make_log, provenance  # noqa: E402
+from bench_spec import (COMPRESSORS, ENGINE_KW, ROOT, EngineProc, bench_main, first_divergence,  # noqa: E402
+                        make_log, provenance)
 from prompts import CODE, TOOL, messages  # noqa: E402  (bench_spec put test/ on sys.path)
 
 MODEL_MAX_LEN = 8192  # SmolLM2's max_position_embeddings
@@ -437,27 +438,7 @@ def parse_args():
 
 
 def main() -> None:
-    cfg, model_path, replot = parse_args()
-    out = Path(cfg.out) if Path(cfg.out).is_absolute() else ROOT / cfg.out
-    if replot:
-        result = json.loads(out.read_text())
-        plot(result, out.with_suffix(".png"))
-        print(table(result))
-        return
-    if model_path is None:
-        from sgl_vericache.default_model import ensure_default_model
-
-        model_path = str(ensure_default_model())
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    def save(result: dict) -> None:
-        result["machine"]["load_avg"] = list(os.getloadavg())
-        out.write_text(json.dumps(result, indent=1))
-
-    result = run(cfg, model_path, save)
-    plot(result, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
-    print(table(result))
+    bench_main(parse_args, run, plot, table)
 
 
 if __name__ == "__main__":

@@ -387,13 +387,15 @@ def parse_args() -> tuple[BenchConfig, str]:
     return dataclasses.replace(cfg, **overrides), a.model_path, a.replot
 
 
-def main() -> None:
-    cfg, model_path, replot = parse_args()
+def bench_main(parse, run_fn, plot_fn, summarize) -> None:
+    """The shared driver of the engine benchmarks: ``parse()`` -> (cfg with ``out``,
+    model_path, replot); re-plot a saved JSON, or run and save after every point."""
+    cfg, model_path, replot = parse()
     out = ROOT / cfg.out if not Path(cfg.out).is_absolute() else Path(cfg.out)
     if replot:
         result = json.loads(out.read_text())
-        plot(result, out.with_suffix(".png"))
-        print(summary(result))
+        plot_fn(result, out.with_suffix(".png"))
+        print(summarize(result))
         return
     if model_path is None:
         from sgl_vericache.default_model import ensure_default_model
@@ -405,10 +407,14 @@ def main() -> None:
         result["machine"]["load_avg"] = list(os.getloadavg())
         out.write_text(json.dumps(result, indent=1))
 
-    result = run(cfg, model_path, save)
-    plot(result, out.with_suffix(".png"))
+    result = run_fn(cfg, model_path, save)
+    plot_fn(result, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
-    print(summary(result))
+    print(summarize(result))
+
+
+def main() -> None:
+    bench_main(parse_args, run, plot, summary)
 
 
 if __name__ == "__main__":
