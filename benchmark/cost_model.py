@@ -385,7 +385,11 @@ def measured_report(path: Path, hw: Hardware, nominal_ratio: float) -> list[dict
     for row in rows:
         ratio = 1.0 if row["compressor"] == "full" else float(row.get("ratio", nominal_ratio))
         args = (shape, hw, row["context"], row["batch"], 4)
-        run = dict(draft_len=row["draft_len"], acc_len=row["mean_acc_len"])
+        # A request's drafts are padded to the engine's verify width, and padding can
+        # verify too, so a round may emit more than draft_len + 1 tokens: model the round
+        # with at least as many draft steps as it emitted tokens.
+        draft_len = max(row["draft_len"], math.ceil(row["mean_acc_len"]) - 1)
+        run = dict(draft_len=draft_len, acc_len=row["mean_acc_len"])
         p = predict(*args, ratio, **run)["best_speedup"]
         p_built = predict(*args, 1.0 if row["compressor"] in DENSE_DRAFT else ratio, **run)["best_speedup"]
         m = row["tok_s_vc"] / row["tok_s_off"]
@@ -395,7 +399,7 @@ def measured_report(path: Path, hw: Hardware, nominal_ratio: float) -> list[dict
         split = row.get("time_split")
         if split:
             draft = row["draft_len"] * _pass_time(shape, hw, row["context"], row["batch"], 4, 1, ratio)
-            verify = _pass_time(shape, hw, row["context"], row["batch"], 4, row["draft_len"] + 1)
+            verify = _pass_time(shape, hw, row["context"], row["batch"], 4, draft_len + 1)
             rec["draft_share"] = {"measured": split["draft"] / sum(split.values()),
                                   "predicted": draft / (draft + verify)}
         out.append(rec)
