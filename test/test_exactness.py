@@ -200,7 +200,9 @@ def _with_vc(params, comp, draft_len):
 def test_seeded_sampling_is_token_identical(reference, vc_engine, default_model_path):
     """Seeded mode: sampled output equals speculation-off sampling with the same seeds."""
     ids = _input_ids(default_model_path, CI_PROMPTS[:4])
-    configs = [("kivi4", 16), ("h2o", 4), ("quest", 30), ("kivi2", 1)]
+    # One draft length for the batch: a round drafts as many steps as its longest request
+    # asks for (draft lengths are the greedy test's job).
+    configs = [("kivi4", 8), ("h2o", 8), ("quest", 8), ("kivi2", 8)]
     params = [_with_vc(p, c, d) for p, (c, d) in zip(SEEDED, configs)]
     outs = vc_engine.generate(input_ids=ids, sampling_params=params)
     accept = check_identical(CI_PROMPTS[:4], configs, outs, reference.extra["seeded"], batch=4)

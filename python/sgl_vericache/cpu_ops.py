@@ -143,51 +143,42 @@ def fill_bonus_tokens_cpu(accept_tokens, accept_lens, bonus_tokens, accept_strid
 
 # --- sampling ----------------------------------------------------------------------------
 
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x, c: int):
-    """(x * c) mod 2**32 for x < 2**32, split in 16-bit halves so int64 never overflows."""
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
 def _rotl32(x, r: int):
-    return ((x << r) | (x >> (32 - r))) & _M32
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+def _murmur_key(k):
+    return _rotl32(k * np.uint32(0xCC9E2D51), 15) * np.uint32(0x1B873593)
 
 
 def _murmur_mix(h, k):
-    k = _mul32(k, 0xCC9E2D51)
-    k = _rotl32(k, 15)
-    k = _mul32(k, 0x1B873593)
-    h = h ^ k
-    h = _rotl32(h, 13)
-    return (h * 5 + 0xE6546B64) & _M32
+    return _rotl32(h ^ _murmur_key(k), 13) * np.uint32(5) + np.uint32(0xE6546B64)
 
 
 def murmur_hash32_cpu(seed, positions, col_indices):
     """MurmurHash3 (32-bit) of (seed as two 32-bit blocks, position, column) per element:
     [n] x [n] x [m] -> [n, m] uint32. The seeded sampler turns it into Gumbel noise, so the
     draw at a position depends only on (seed, position). Twin: ``murmur_hash32_kernel``
-    (Triton, sglang/kernels/ops/sampling/murmur_hash.py)."""
-    seed = seed.to(torch.int64)  # uint64 bit pattern; the blocks below are masked
-    lo = (seed & _M32).view(-1, 1)
-    hi = ((seed >> 32) & _M32).view(-1, 1)
-    pos = (positions.to(torch.int64) & _M32).view(-1, 1)
-    col = (col_indices.to(torch.int64) & _M32).view(1, -1)
-    h = torch.zeros_like(lo)
-    h = _murmur_mix(h, lo)
-    h = _murmur_mix(h, hi)
-    h = _murmur_mix(h, pos)
-    h = _murmur_mix(h, col)  # broadcasts to [n, m]
-    h = h ^ 16
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    h = h ^ (h >> 16)
-    return h.to(torch.uint32)
+    (Triton, sglang/kernels/ops/sampling/murmur_hash.py). numpy uint32 arithmetic wraps
+    mod 2**32 as the hash needs (torch has no uint32 shifts)."""
+    bits = seed.to(torch.int64).numpy().view(np.uint64)  # the seed's uint64 bit pattern
+    lo = (bits & np.uint64(0xFFFFFFFF)).astype(np.uint32)[:, None]
+    hi = (bits >> np.uint64(32)).astype(np.uint32)[:, None]
+    pos = positions.to(torch.int64).numpy().astype(np.uint32)[:, None]  # low 32 bits
+    col = col_indices.to(torch.int64).numpy().astype(np.uint32)[None, :]
+    with np.errstate(over="ignore"):
+        h = np.zeros_like(lo)
+        h = _murmur_mix(h, lo)
+        h = _murmur_mix(h, hi)
+        h = _murmur_mix(h, pos)
+        h = _murmur_mix(h, col)  # [n, m] from here on
+        h ^= np.uint32(16)
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return torch.from_numpy(np.ascontiguousarray(h)).view(torch.uint32)
 
 
 OPS: dict[str, Callable] = {
