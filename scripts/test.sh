@@ -6,4 +6,4 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 markers="not slow"
 [ "${VERICACHE_SLOW:-0}" = "1" ] && markers=""
-exec .venv/bin/python -m pytest -ra ${markers:+-m "$markers"} "$@"
+exec .venv/bin/python -m pytest -ra --durations=20 ${markers:+-m "$markers"} "$@"

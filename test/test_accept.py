@@ -12,6 +12,7 @@ from scipy import stats
 
 from sgl_vericache.spec.accept import (
     chain_match,
+    filter_probs,
     rejection_sample_chain,
     sample_draft,
     sampling_probs,
@@ -220,9 +221,9 @@ def test_seeded_draws_with_min_p_fit_the_distribution(sglang_sampler):
     must fit the same distribution as SGLang's own unseeded min-p sampling."""
     from sglang.srt.layers import sampler as sampler_mod
 
-    from sgl_vericache.sglang_adapter import _seeded_min_p
+    from sgl_vericache.sglang_adapter import _seeded_per_row_sampling
 
-    _seeded_min_p()
+    _seeded_per_row_sampling()
     draws_per_row = 20_000
     logits = 2 * torch.randn(len(USER_PARAMS), VOCAB, generator=torch.Generator().manual_seed(4))
     logits = logits.repeat_interleave(draws_per_row, dim=0)
@@ -244,6 +245,49 @@ def test_seeded_draws_with_min_p_fit_the_distribution(sglang_sampler):
         if (row_probs > 0).sum() > 1:
             fit = chi_square(counts, row_probs)
             assert fit.pvalue > ALPHA, (params, fit)
+
+
+def test_seeded_draw_depends_only_on_its_own_row(sglang_sampler):
+    """A seeded request draws the same token whatever its batch-mates ask for. SGLang's
+    sampler takes its unfiltered path (noise keyed on token ids) when no row filters and its
+    sorted path otherwise; sgl_vericache makes both key the noise on token ids, so a row
+    sampled alone, or next to a top-p or min-p row, gives one answer per (seed, position).
+    Negative control: SGLang's unpatched sorted path disagrees with its unfiltered path."""
+    from sglang.srt.layers import sampler as sampler_mod
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sgl_vericache.sglang_adapter import _seeded_per_row_sampling
+
+    unpatched = sampler_mod.top_k_top_p_min_p_sampling_from_probs_torch
+    unpatched = getattr(unpatched, "__wrapped__", unpatched)
+    _seeded_per_row_sampling()
+    vocab, draws = 64, 400
+    gen = torch.Generator().manual_seed(7)
+    probs = torch.softmax(2 * torch.randn(draws, vocab, generator=gen), dim=-1)
+    seeds = torch.randint(0, 2**62, (draws,), generator=gen)
+    positions = torch.randint(0, 4096, (draws,), generator=gen)
+    alone = sampler_mod.sampling_from_probs_torch(probs, seeds, positions).long()  # SGLang's no-filter path
+
+    def with_mates(params):  # every row unfiltered, then each row also sampled next to a filtering mate
+        sp = [SamplingParams(temperature=1.0), SamplingParams(**params)]
+        col = lambda name, dtype: torch.tensor([getattr(sp[i % 2], name) for i in range(2 * draws)], dtype=dtype)
+        both = torch.stack([probs, probs], dim=1).view(2 * draws, vocab)
+        tokens = sampler_mod.top_k_top_p_min_p_sampling_from_probs_torch(
+            both, col("top_k", torch.int64), col("top_p", torch.float32), col("min_p", torch.float32),
+            True, seeds.repeat_interleave(2), positions.repeat_interleave(2))
+        return tokens.long().view(draws, 2)
+
+    for params in ({"top_p": 0.8}, {"min_p": 0.1}, {"top_k": 5}):
+        tokens = with_mates(params)
+        assert torch.equal(tokens[:, 0], alone), params
+        filtered = tokens[:, 1]
+        agree = filtered == alone  # the filter only removes tokens: a kept draw is the same draw
+        kept = filter_probs(probs, torch.tensor(params.get("top_k", -1)), params.get("top_p", 1.0),
+                            params.get("min_p", 0.0))
+        assert torch.equal(agree, kept.gather(1, alone[:, None]).squeeze(1) > 0), params
+    sorted_path = unpatched(probs.clone(), torch.full((draws,), vocab), torch.full((draws,), 0.999),
+                            torch.zeros(draws), False, seeds, positions).long()
+    assert (sorted_path != alone).float().mean() > 0.5
 
 
 # --- rejection sampling on a tiny model ----------------------------------------------------

@@ -515,8 +515,8 @@ def _install_seeded_sampling() -> None:
     speculation on or off, which is what lets VeriCache's seeded mode be token-identical.
     Requests without a seed are still sampled at random (their seed is random).
 
-    SGLang's seeded top-k/top-p sampler refuses min-p; it is given min-p already applied
-    (``_seeded_min_p``), which gives the same distribution."""
+    SGLang's seeded top-k/top-p sampler keys its noise on sorted ranks and refuses min-p;
+    ``_seeded_per_row_sampling`` makes a seeded row's draw depend on that row alone."""
     import random
 
     from sglang.srt.runtime_context import get_exec
@@ -545,29 +545,39 @@ def _install_seeded_sampling() -> None:
     from_schedule_batch._vericache = True
     SamplingBatchInfo.from_schedule_batch = classmethod(from_schedule_batch)
 
-    _seeded_min_p()
+    _seeded_per_row_sampling()
 
 
-def _seeded_min_p() -> None:
-    """Let SGLang's seeded torch sampler serve min-p requests: zero the tokens under
-    min_p x (max prob) first, then sample top-k/top-p with min-p off. Equivalent to
-    SGLang's order (top-k, top-p, then min-p on the sorted probs): min-p removes only
-    tokens below the top one, which changes neither the ranks nor the cumulative sums of
-    the tokens that remain."""
+def _seeded_per_row_sampling() -> None:
+    """Seeded top-k/top-p/min-p sampling whose draw depends only on the request's own row.
+
+    SGLang's seeded torch sampler keys its Gumbel noise on the token id when no request in
+    the batch filters, but on the *rank* in the sorted distribution when any request does;
+    the same seeded request then draws different tokens depending on its batch-mates (and
+    it refuses min-p). Here a seeded filtering batch zeroes each row's filtered-out tokens
+    (``spec.accept.filter_probs``: a row without filters is left untouched) and draws with
+    SGLang's own unfiltered seeded sampler, keyed on (seed, position, token id): the same
+    distribution, and a row's draw no longer depends on the other rows."""
     from sglang.srt.layers import sampler as sampler_mod
+
+    from sgl_vericache.spec.accept import filter_probs
 
     original = sampler_mod.top_k_top_p_min_p_sampling_from_probs_torch
     if getattr(original, "_vericache", False):
         return
 
     def sample(probs, top_ks, top_ps, min_ps, need_min_p_sampling, sampling_seed, positions, **kwargs):
-        if need_min_p_sampling and sampling_seed is not None:
-            threshold = probs.max(dim=-1, keepdim=True).values * min_ps.view(-1, 1)
-            probs = probs.masked_fill(probs < threshold, 0.0)
-            need_min_p_sampling = False
-        return original(probs, top_ks, top_ps, min_ps, need_min_p_sampling, sampling_seed, positions, **kwargs)
+        if sampling_seed is None:
+            return original(probs, top_ks, top_ps, min_ps, need_min_p_sampling, sampling_seed, positions, **kwargs)
+        min_ps = min_ps if need_min_p_sampling else 0.0
+        if kwargs.get("return_filtered_probs"):  # SGLang's own path (sampling-mask capture), min-p applied first
+            kept = filter_probs(probs, -1, 1.0, min_ps)
+            return original(kept, top_ks, top_ps, min_ps, False, sampling_seed, positions, **kwargs)
+        kept = filter_probs(probs, top_ks, top_ps, min_ps)
+        return sampler_mod.sampling_from_probs_torch(kept, sampling_seed, positions)
 
     sample._vericache = True
+    sample.__wrapped__ = original
     sampler_mod.top_k_top_p_min_p_sampling_from_probs_torch = sample
 
 

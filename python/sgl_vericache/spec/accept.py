@@ -78,18 +78,29 @@ def sampling_probs(
     top_ks = _per_row(top_ks, rows, torch.int64, logits.device)
     greedy = temperatures < SAMPLING_EPS
     temperatures = torch.where(greedy, 1.0, temperatures)
-    top_ks = torch.where(greedy, 1, torch.where(top_ks < 1, vocab, top_ks))
-    top_ps = _per_row(top_ps, rows, torch.float32, logits.device)
-    min_ps = _per_row(min_ps, rows, torch.float32, logits.device)
-
+    top_ks = torch.where(greedy, 1, top_ks)
     probs = torch.softmax(logits.float() / temperatures, dim=-1)
+    kept = filter_probs(probs, top_ks, top_ps, min_ps)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def filter_probs(probs: torch.Tensor, top_ks: PerRow, top_ps: PerRow, min_ps: PerRow) -> torch.Tensor:
+    """``probs`` [rows, V] with the tokens top-k, top-p and min-p drop set to 0 (not
+    renormalized), in vocabulary order. A row's result depends only on that row: top_k < 1
+    or >= V, top_p >= 1 and min_p <= 0 leave it untouched. Ties at a top-k cut keep the
+    lower token id (stable sort)."""
+    rows, vocab = probs.shape
+    top_ks = _per_row(top_ks, rows, torch.int64, probs.device)
+    top_ks = torch.where((top_ks < 1) | (top_ks > vocab), vocab, top_ks)
+    top_ps = _per_row(top_ps, rows, torch.float32, probs.device)
+    min_ps = _per_row(min_ps, rows, torch.float32, probs.device)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [rows, V]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    rank = torch.arange(vocab, device=logits.device)
-    keep = (rank < top_ks) & (mass_before <= top_ps) & (sorted_probs >= sorted_probs[:, :1] * min_ps)
-    kept = torch.where(keep, sorted_probs, 0.0)
-    kept = kept / kept.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(kept).scatter_(-1, order, kept)
+    rank = torch.arange(vocab, device=probs.device)
+    keep = (rank < top_ks) & ((mass_before <= top_ps) | (top_ps >= 1.0)) & (
+        sorted_probs >= sorted_probs[:, :1] * min_ps)
+    keep = torch.zeros_like(keep).scatter_(-1, order, keep)
+    return probs.masked_fill(~keep, 0.0)
 
 
 def sample_draft(
