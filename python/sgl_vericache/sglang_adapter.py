@@ -39,6 +39,7 @@ def register_all() -> None:
     cpu_compat.install()
     _register_spec_algorithm()
     _install_seeded_sampling()
+    _install_cpu_hicache()
     from sgl_vericache.config import VeriCacheConfig
 
     vc = VeriCacheConfig.from_env()
@@ -579,6 +580,69 @@ def _seeded_per_row_sampling() -> None:
     sample._vericache = True
     sample.__wrapped__ = original
     sampler_mod.top_k_top_p_min_p_sampling_from_probs_torch = sample
+
+
+# --- SGLang's hierarchical cache (HiCache) on a CPU device pool --------------------------
+
+
+def _install_cpu_hicache() -> None:
+    """Let ``--enable-hierarchical-cache`` run when the device KV pool lives in CPU memory.
+
+    SGLang's host pool pins its memory through CUDA (``pin_memory=True`` by default, and the
+    pool builder does not pass it), and imports its device<->host copy kernels from
+    ``sgl_kernel.kvcacheio`` only on CUDA/HIP. For a CPU device pool the host pool is built
+    unpinned, and the two MHA copies HiCache makes (all layers device->host on backup, one
+    layer host->device on load) are index copies between the device pool's per-layer
+    buffers and the host pool's per-layer views (``layer_first`` and ``page_first``
+    layouts). Pools on an accelerator are left on SGLang's code."""
+    import inspect
+
+    import torch
+    from sglang.srt.mem_cache.pool_host import mha
+
+    cls = mha.MHATokenToKVPoolHost
+    if getattr(cls, "_vericache_cpu", False):
+        return
+    init, backup, load = cls.__init__, cls.backup_from_device_all_layer, cls.load_to_device_per_layer
+    signature = inspect.signature(init)
+
+    def on_cpu(pool) -> bool:
+        return torch.device(pool._transfer_device).type == "cpu"
+
+    def check_layout(pool) -> None:
+        if pool.layout not in ("layer_first", "page_first"):
+            raise ValueError(
+                f"--hicache-mem-layout {pool.layout} is not supported with a CPU device pool; "
+                "use layer_first or page_first (with --hicache-io-backend kernel)")
+
+    def __init__(self, buffer_info, *args, **kwargs):
+        bound = signature.bind(self, buffer_info, *args, **kwargs)
+        if torch.device(buffer_info.device).type == "cpu":
+            bound.arguments["pin_memory"] = False  # pinning needs a CUDA driver
+        init(*bound.args, **bound.kwargs)
+        if on_cpu(self):
+            check_layout(self)
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+        if not on_cpu(self):
+            return backup(self, device_pool, host_indices, device_indices, io_backend)
+        for i in range(self.layer_num):
+            self.k_data_refs[i][host_indices] = self.device_k_buffers[i][device_indices]
+            self.v_data_refs[i][host_indices] = self.device_v_buffers[i][device_indices]
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend,
+                                 *, is_draft=False):
+        if not on_cpu(self):
+            return load(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
+        if not is_draft and not 0 <= layer_id < self.target_layer_num:
+            return
+        self.device_k_buffers[layer_id][device_indices] = self.k_data_refs[layer_id][host_indices]
+        self.device_v_buffers[layer_id][device_indices] = self.v_data_refs[layer_id][host_indices]
+
+    cls.__init__ = __init__
+    cls.backup_from_device_all_layer = backup_from_device_all_layer
+    cls.load_to_device_per_layer = load_to_device_per_layer
+    cls._vericache_cpu = True
 
 
 # --- deterministic mode: row-invariant linear layers -------------------------------------

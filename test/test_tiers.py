@@ -1,0 +1,170 @@
+"""Full KV in host and remote tiers (SGLang's hierarchical cache) under VeriCache, on CPU.
+
+Unit level: KV copied device -> host -> device, and host -> file backend -> host, comes back
+bit-identical. End to end: a multi-turn, multi-conversation trace whose device pool is too
+small to keep the conversations, so later turns reload their prefix from the host tier, and
+whose first turns find their prefix in the file backend written by an earlier engine (the
+remote prefix-reuse scenario): token ids equal speculation off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+LAYERS, HEADS, HEAD_DIM, DEVICE_TOKENS = 3, 2, 8, 64
+
+
+@pytest.fixture(scope="module")
+def cpu_hicache():
+    from sgl_vericache import cpu_compat
+
+    cpu_compat.install()
+    from sgl_vericache.sglang_adapter import _install_cpu_hicache
+
+    _install_cpu_hicache()
+
+
+def _pools(layout, page_size=1):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    device = MHATokenToKVPool(DEVICE_TOKENS, page_size, torch.float32, HEADS, HEAD_DIM, LAYERS, "cpu", False,
+                              start_layer=0, end_layer=LAYERS)
+    info = device.get_device_pool_infos()[0].buffer_info
+    # pin_memory is left at SGLang's default (True), which needs a CUDA driver without the patch
+    host = MHATokenToKVPoolHost(info, 2.0, 0, page_size, layout, device_capacity_tokens=device.size,
+                                start_layer=0, end_layer=LAYERS)
+    gen = torch.Generator().manual_seed(0)
+    for buf in (*device.k_buffer, *device.v_buffer):
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+    return device, host
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_device_host_device_round_trip_is_bit_identical(cpu_hicache, layout):
+    device, host = _pools(layout)
+    assert not host.pin_memory
+    src, dst = torch.arange(5, 17), torch.arange(30, 42)
+    slots = host.alloc(len(src))
+    want_k = [_bits(b[src]).clone() for b in device.k_buffer]
+    want_v = [_bits(b[src]).clone() for b in device.v_buffer]
+    host.backup_from_device_all_layer(device, slots, src, "kernel")
+    for buf in (*device.k_buffer, *device.v_buffer):
+        buf[src] = 0.0  # the device copy is gone; only the host has it
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(device, slots, dst, layer, "kernel")
+    for layer in range(LAYERS):
+        assert torch.equal(_bits(device.k_buffer[layer][dst]), want_k[layer])
+        assert torch.equal(_bits(device.v_buffer[layer][dst]), want_v[layer])
+    assert not device.k_buffer[0][src].any()  # nothing written back where it did not belong
+
+
+def test_host_file_host_round_trip_is_bit_identical(cpu_hicache, tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+
+    device, host = _pools("page_first", page_size=4)
+    src = torch.arange(8, 16)
+    slots = host.alloc(len(src))
+    host.backup_from_device_all_layer(device, slots, src, "kernel")
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                  model_name="m", extra_config={})
+    store = HiCacheFile(config, file_path=str(tmp_path))
+    keys = ["page-a", "page-b"]
+    pages = [host.get_data_page(int(slots[i]), flat=True).clone() for i in (0, 4)]
+    assert store.batch_set(keys, pages)
+    assert store.batch_exists(keys + ["page-c"]) == 2
+    got = store.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys])
+    for want, page in zip(pages, got):
+        assert torch.equal(_bits(page), _bits(want))
+    other = host.alloc(8)
+    for i, page in zip((0, 4), got):
+        host.set_from_flat_data_page(int(other[i]), page)
+    dst = torch.arange(40, 48)
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(device, other, dst, layer, "kernel")
+        assert torch.equal(_bits(device.k_buffer[layer][dst]), _bits(device.k_buffer[layer][src]))
+        assert torch.equal(_bits(device.v_buffer[layer][dst]), _bits(device.v_buffer[layer][src]))
+
+
+def test_unsupported_layout_on_cpu_is_refused(cpu_hicache):
+    with pytest.raises(ValueError, match="page_first_direct.*layer_first or page_first"):
+        _pools("page_first_direct", page_size=4)
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+ENGINE_KW = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, dtype="float32",
+                 log_level="warning")
+TIERS_KW = dict(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_io_backend="kernel",
+                hicache_mem_layout="page_first", hicache_storage_backend="file",
+                hicache_storage_prefetch_policy="wait_complete")
+CONVERSATIONS, ROUNDS, NEW_TOKENS = 3, 3, 16
+
+
+def _engine(model_path, **kw):
+    import os
+
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    from sglang.srt.entrypoints.engine import Engine
+
+    return Engine(model_path=str(model_path), **ENGINE_KW, **kw)
+
+
+def _agent_trace(engine, tok):
+    """Three conversations (a ~420-token system prompt each), three rounds each, taken in
+    turn: each turn's prompt is the conversation so far. Returns per turn (output ids,
+    cached_tokens_details)."""
+    convs = [[{"role": "system", "content": f"You are assistant number {c}. " + "Answer briefly. " * 130}]
+             for c in range(CONVERSATIONS)]
+    turns = []
+    for rnd in range(ROUNDS):
+        for c, msgs in enumerate(convs):
+            msgs.append({"role": "user", "content": f"Round {rnd}: one fact about the number {rnd * 7 + c}."})
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+            out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0})
+            turns.append((out["output_ids"], out["meta_info"].get("cached_tokens_details") or {}))
+            msgs.append({"role": "assistant", "content": tok.decode(out["output_ids"], skip_special_tokens=True)})
+    return turns
+
+
+def test_multi_turn_exact_with_host_and_file_tiers(default_model_path, tmp_path):
+    """Engine A (speculation off, pool large enough to keep everything) answers the trace
+    and writes every prefix through to the file backend. Engine B (VERICACHE, a device pool
+    of 1024 tokens for ~1400 tokens of conversations) starts with an empty device and host
+    tier: its first turns find their prefix in the files A wrote, its later turns reload
+    prefixes the device had to evict from the host tier. B's token ids must equal A's."""
+    from transformers import AutoTokenizer
+
+    from sgl_vericache.config import VeriCacheConfig
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    files = dict(file_storage_path=str(tmp_path / "kv"))
+    engine = _engine(default_model_path, max_total_tokens=16384, **TIERS_KW, **files)
+    try:
+        reference = _agent_trace(engine, tok)
+    finally:
+        engine.shutdown()
+    assert any((tmp_path / "kv").iterdir()), "engine A wrote nothing to the file backend"
+
+    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8).to_env()
+    engine = _engine(default_model_path, max_total_tokens=1024, **TIERS_KW, **files,
+                     speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
+                     speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
+    try:
+        ours = _agent_trace(engine, tok)
+    finally:
+        engine.shutdown()
+    details = [d for _, d in ours]
+    print("cached tokens per turn (device/host/storage):",
+          [(d.get("device", 0), d.get("host", 0), d.get("storage", 0)) for d in details])
+    assert sum(d.get("storage", 0) for d in details[:CONVERSATIONS]) > 0, details
+    assert sum(d.get("host", 0) for d in details[CONVERSATIONS:]) > 0, details
+    failures = [f"turn {i}: ours {o[:8]}... vs reference {r[:8]}..."
+                for i, ((o, _), (r, _)) in enumerate(zip(ours, reference)) if o != r]
+    assert not failures, "\n".join(failures)
