@@ -22,7 +22,16 @@ else
     # mismatched torchvision fails to import.
     say "installing torch 2.14.1 + torchvision 0.29.1"
     "${PIP[@]}" -q torch==2.14.1 torchvision==0.29.1
-    extras="test,bench"
+    extras="test,bench,tiers"
+    # Mooncake's store (the remote KV tier) links libibverbs.so.1 even for TCP transport.
+    if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            say "installing libibverbs1 (Mooncake's store needs it)"
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+        else
+            say "WARNING: libibverbs.so.1 missing and not root: install libibverbs1 for the Mooncake tier"
+        fi
+    fi
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         say "GPU found: adding the gpu extra (flashinfer)"
         extras="$extras,gpu"

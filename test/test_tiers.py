@@ -9,6 +9,10 @@ remote prefix-reuse scenario): token ids equal speculation off.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import pytest
 import torch
 
@@ -65,16 +69,13 @@ def test_device_host_device_round_trip_is_bit_identical(cpu_hicache, layout):
 
 
 def test_host_file_host_round_trip_is_bit_identical(cpu_hicache, tmp_path):
-    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
     device, host = _pools("page_first", page_size=4)
     src = torch.arange(8, 16)
     slots = host.alloc(len(src))
     host.backup_from_device_all_layer(device, slots, src, "kernel")
-    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                                  model_name="m", extra_config={})
-    store = HiCacheFile(config, file_path=str(tmp_path))
+    store = HiCacheFile(_storage_config({}), file_path=str(tmp_path))
     keys = ["page-a", "page-b"]
     pages = [host.get_data_page(int(slots[i]), flat=True).clone() for i in (0, 4)]
     assert store.batch_set(keys, pages)
@@ -95,6 +96,114 @@ def test_host_file_host_round_trip_is_bit_identical(cpu_hicache, tmp_path):
 def test_unsupported_layout_on_cpu_is_refused(cpu_hicache):
     with pytest.raises(ValueError, match="page_first_direct.*layer_first or page_first"):
         _pools("page_first_direct", page_size=4)
+
+
+class MooncakeMaster:
+    """``mooncake_master`` (from the ``tiers`` extra) on loopback free ports, TCP transport;
+    engines and stores are its clients with ``extra_config``. Started detached (not a child
+    of this process): SGLang's Engine.shutdown() kills every child of its caller."""
+
+    def __init__(self, tmp_path):
+        import shlex
+        import shutil
+        import subprocess
+        import time
+
+        from conftest import free_port
+
+        binary = shutil.which("mooncake_master", path=os.path.dirname(sys.executable))
+        if binary is None:
+            pytest.fail("mooncake_master not found next to the interpreter: run scripts/setup.sh (tiers extra)")
+        self.port = free_port()
+        self.log_path = tmp_path / "mooncake_master.log"
+        cmd = [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}", f"--metrics_port={free_port()}",
+               "--enable_http_metadata_server=false"]
+        launcher = f"setsid {shlex.join(cmd)} > {shlex.quote(str(self.log_path))} 2>&1 < /dev/null & echo $!"
+        self.pid = int(subprocess.run(["bash", "-c", launcher], capture_output=True, text=True, check=True).stdout)
+        deadline = time.monotonic() + 60
+        while not _port_open(self.port):
+            if not self.alive() or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"mooncake_master did not come up:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.2)
+
+    def extra_config(self, segment_bytes: int = 256 << 20) -> dict:
+        return {"master_server_address": f"127.0.0.1:{self.port}", "protocol": "tcp",
+                "metadata_server": "P2PHANDSHAKE", "global_segment_size": segment_bytes,
+                "local_hostname": "127.0.0.1"}
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def stop(self):
+        import signal
+        import time
+
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+            if not self.alive():
+                return
+            os.kill(self.pid, sig)
+            deadline = time.monotonic() + wait
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory):
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:  # the tiers extra, or libibverbs.so.1, is missing
+        message = f"Mooncake's store does not import ({e}); run scripts/setup.sh"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    master = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
+    yield master
+    assert master.alive(), "mooncake_master died during the tests"
+    master.stop()
+
+
+def _storage_config(extra_config):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                model_name="m", extra_config=extra_config)
+
+
+def test_host_mooncake_host_round_trip_is_bit_identical(cpu_hicache, mooncake_master):
+    """A real Mooncake store (master on loopback, TCP): pages of a CPU host pool put through
+    SGLang's MooncakeStore and read back into other host slots are bit-identical."""
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+    device, host = _pools("page_first", page_size=4)
+    src = torch.arange(8, 16)
+    slots = host.alloc(len(src))
+    host.backup_from_device_all_layer(device, slots, src, "kernel")
+    store = MooncakeStore(_storage_config(mooncake_master.extra_config(64 << 20)), host)
+    store.register_mem_pool_host(host)
+    keys = ["round-trip-a", "round-trip-b"]
+    assert store.batch_set_v1(keys, slots) == [True, True]
+    assert store.batch_exists(keys + ["round-trip-c"]) == 2
+    other = host.alloc(len(src))
+    assert store.batch_get_v1(keys, other) == [True, True]
+    dst = torch.arange(40, 48)
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(device, other, dst, layer, "kernel")
+        assert torch.equal(_bits(device.k_buffer[layer][dst]), _bits(device.k_buffer[layer][src]))
+        assert torch.equal(_bits(device.v_buffer[layer][dst]), _bits(device.v_buffer[layer][src]))
 
 
 # --- end to end ---------------------------------------------------------------------------
@@ -133,12 +242,14 @@ def _agent_trace(engine, tok):
     return turns
 
 
-def test_multi_turn_exact_with_host_and_file_tiers(default_model_path, tmp_path):
+def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, tmp_path, mooncake_master):
     """Engine A (speculation off, pool large enough to keep everything) answers the trace
     and writes every prefix through to the file backend. Engine B (VERICACHE, a device pool
     of 1024 tokens for ~1400 tokens of conversations) starts with an empty device and host
     tier: its first turns find their prefix in the files A wrote, its later turns reload
-    prefixes the device had to evict from the host tier. B's token ids must equal A's."""
+    prefixes the device had to evict from the host tier. Engine C (VERICACHE, streamingllm,
+    Mooncake as the remote tier, a host tier no larger than the device pool) has to load
+    later turns' prefixes back from Mooncake. B's and C's token ids must equal A's."""
     from transformers import AutoTokenizer
 
     from sgl_vericache.config import VeriCacheConfig
@@ -152,19 +263,38 @@ def test_multi_turn_exact_with_host_and_file_tiers(default_model_path, tmp_path)
         engine.shutdown()
     assert any((tmp_path / "kv").iterdir()), "engine A wrote nothing to the file backend"
 
+    spec = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
+                speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024)
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8).to_env()
-    engine = _engine(default_model_path, max_total_tokens=1024, **TIERS_KW, **files,
-                     speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
-                     speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
+    engine = _engine(default_model_path, **TIERS_KW, **files, **spec)
     try:
-        ours = _agent_trace(engine, tok)
+        from_files = _agent_trace(engine, tok)
     finally:
         engine.shutdown()
-    details = [d for _, d in ours]
-    print("cached tokens per turn (device/host/storage):",
-          [(d.get("device", 0), d.get("host", 0), d.get("storage", 0)) for d in details])
-    assert sum(d.get("storage", 0) for d in details[:CONVERSATIONS]) > 0, details
-    assert sum(d.get("host", 0) for d in details[CONVERSATIONS:]) > 0, details
+    _report("B (file)", from_files)
+    assert sum(d.get("storage", 0) for _, d in from_files[:CONVERSATIONS]) > 0
+    assert sum(d.get("host", 0) for _, d in from_files[CONVERSATIONS:]) > 0
+    _check_identical(from_files, reference)
+
+    VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=8).to_env()
+    mooncake = {**TIERS_KW, "hicache_ratio": 1.0, "hicache_storage_backend": "mooncake",
+                "hicache_storage_backend_extra_config": json.dumps(mooncake_master.extra_config())}
+    engine = _engine(default_model_path, **mooncake, **spec)
+    try:
+        from_mooncake = _agent_trace(engine, tok)
+    finally:
+        engine.shutdown()
+    _report("C (mooncake)", from_mooncake)
+    assert sum(d.get("storage", 0) for _, d in from_mooncake) > 0
+    _check_identical(from_mooncake, reference)
+
+
+def _report(name, turns):
+    print(f"engine {name}: cached tokens per turn (device/host/storage):",
+          [(d.get("device", 0), d.get("host", 0), d.get("storage", 0)) for _, d in turns])
+
+
+def _check_identical(ours, reference):
     failures = [f"turn {i}: ours {o[:8]}... vs reference {r[:8]}..."
                 for i, ((o, _), (r, _)) in enumerate(zip(ours, reference)) if o != r]
     assert not failures, "\n".join(failures)
