@@ -1,0 +1,246 @@
+"""Multi-turn agent trace through tiered KV (issue 5): SGLang's HiCache with speculation off
+against VERICACHE with the same HiCache, side by side in one run.
+
+SmolLM2-135M-Instruct on CPU, fp32, greedy. Two offline engines, each in a child process of
+its own (``bench_decode.DecodeEngine``), alive for the whole run and started with the same
+flags: CPU, torch_native attention, ``--enable-hierarchical-cache`` with a device pool too
+small for the trace (so earlier turns' prefixes are evicted to the host tier and loaded
+back), a host tier ``--host-ratio`` times the device pool, and the ``file`` storage backend
+(one folder per arm). Arm B adds ``speculative_algorithm=VERICACHE``.
+
+The trace: ``conversations`` agents share one system prompt (tool descriptions); each turn
+appends a user request and a tool result (code and tool-call transcript, ~``tool_tokens``)
+to that agent's history, and the agents take turns, so every turn's prompt is its own
+conversation so far. Both arms get the same prompts (history grows with arm A's answers);
+each turn runs A then B back to back.
+
+Per arm: decode throughput (output tokens / generate wall time, prefill included: the
+loads are part of the cost), prefix hit ratio (cached / prompt tokens) and hits per tier
+(device / host / storage) from ``meta_info.cached_tokens_details``, the bytes those hits
+moved (tokens x full-KV bytes per token), and whether B's outputs equal A's. Verify time
+stalled on loads is not measured: SGLang loads a hit prefix back before the forward that
+uses it, and VeriCache's own async tier loader is not built yet.
+
+    python benchmark/bench_tiers.py --quick     # 2 agents x 2 turns, 8 tokens
+    python benchmark/bench_tiers.py --out benchmark/results/tiers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import DecodeEngine, filler_text  # noqa: E402
+from bench_spec import COMPRESSORS, bench_main, first_divergence, make_log, provenance  # noqa: E402
+
+TIERS = ("device", "host", "storage")
+STALL_NOTE = "not measured: loads finish before the forward that uses them; no async tier loader yet"
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    mode: str
+    conversations: int = 4
+    turns: int = 4  # per conversation
+    max_new_tokens: int = 32
+    tool_tokens: int = 160  # tool result appended per turn (about)
+    device_tokens: int = 2048  # device KV pool of each arm
+    host_ratio: float = 2.0
+    compressor: str = "streamingllm"
+    draft_len: int = 8
+    out: str = "benchmark/results/tiers.json"
+
+
+PRESETS = {
+    "quick": TiersConfig("quick", conversations=2, turns=2, max_new_tokens=8, tool_tokens=80, device_tokens=768,
+                         out="benchmark/results/tiers_quick.json"),
+    "default": TiersConfig("default"),
+}
+
+
+def kv_bytes_per_token(model_path: str) -> int:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return 2 * config["num_hidden_layers"] * heads * head_dim * 4  # K and V, fp32
+
+
+def system_prompt() -> str:
+    tools = "\n".join(
+        f'- {name}({args}): {doc}' for name, args, doc in [
+            ("get_weather", "city, unit", "current weather for a city"),
+            ("search_flights", "origin, destination, date", "flights on a date"),
+            ("run_python", "code", "runs code in a sandbox and returns stdout"),
+            ("read_file", "path", "returns a file's contents"),
+        ])
+    return ("You are a coding agent. Call tools by answering with one JSON object "
+            '{"tool": NAME, "arguments": {...}}, or answer the user directly.\nTools:\n' + tools + "\n")
+
+
+def start_engines(model_path: str, cfg: TiersConfig, storage_root: Path):
+    from sgl_vericache.config import VeriCacheConfig
+
+    env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    common = dict(max_total_tokens=cfg.device_tokens, enable_hierarchical_cache=True, hicache_ratio=cfg.host_ratio,
+                  hicache_io_backend="kernel", hicache_mem_layout="page_first", hicache_storage_backend="file",
+                  hicache_storage_prefetch_policy="wait_complete")
+    off = DecodeEngine(model_path, env, file_storage_path=str(storage_root / "off"), **common)
+    VeriCacheConfig(compressor=cfg.compressor, ratio=4.0, draft_len=cfg.draft_len).to_env()
+    spec = DecodeEngine(model_path, env,
+                      file_storage_path=str(storage_root / "vericache"), speculative_algorithm="VERICACHE",
+                      speculative_num_draft_tokens=cfg.draft_len + 1, speculative_ngram_max_bfs_breadth=1,
+                      disable_overlap_schedule=True, **common)
+    return off, spec, common
+
+
+def run(cfg: TiersConfig, model_path: str, save) -> dict:
+    from transformers import AutoTokenizer
+
+    log = make_log(time.time())
+    tok = AutoTokenizer.from_pretrained(model_path)
+    per_token = kv_bytes_per_token(model_path)
+    with tempfile.TemporaryDirectory(prefix="vericache-tiers-") as storage:
+        log("starting both engines (speculation off + HiCache, VERICACHE + HiCache)")
+        off, spec, common = start_engines(model_path, cfg, Path(storage))
+        try:
+            off.wait_ready()
+            spec.wait_ready()
+            log("engines ready")
+            result = {**provenance(model_path), "config": dataclasses.asdict(cfg), "engine_flags": common,
+                      "kv_bytes_per_token": per_token, "verify_stall_fraction": None, "verify_stall_note": STALL_NOTE,
+                      "turns": []}
+            chats = [[{"role": "system", "content": system_prompt()}] for _ in range(cfg.conversations)]
+            tool_blocks = max(1, cfg.tool_tokens // 120)
+            for turn in range(cfg.turns):
+                for agent, chat in enumerate(chats):
+                    start = (agent * cfg.turns + turn) * tool_blocks
+                    chat.append({"role": "user", "content": f"Task {turn}: fix the clamp helpers below, then check "
+                                 f"the weather where the next flight lands.\nTool result:\n"
+                                 + filler_text(start + tool_blocks)[len(filler_text(start)):]})
+                    ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+                    params = {"max_new_tokens": cfg.max_new_tokens, "temperature": 0}
+                    row = {"agent": agent, "turn": turn, "prompt_tokens": len(ids)}
+                    for arm, engine in (("off", off), ("vericache", spec)):
+                        outs, seconds, _ = engine.generate([ids], params)
+                        meta = outs[0]["meta_info"]
+                        details = meta.get("cached_tokens_details") or {}
+                        row[arm] = {"seconds": seconds, "completion_tokens": meta["completion_tokens"],
+                                    "cached_tokens": meta.get("cached_tokens", 0),
+                                    **{f"{t}_hit_tokens": details.get(t, 0) for t in TIERS},
+                                    "output_ids": outs[0]["output_ids"],
+                                    "spec_accept_length": meta.get("spec_accept_length")}
+                    row["identical"] = first_divergence(row["vericache"]["output_ids"], row["off"]["output_ids"]) is None
+                    chat.append({"role": "assistant",
+                                 "content": tok.decode(row["off"]["output_ids"], skip_special_tokens=True)})
+                    result["turns"].append(row)
+                    log(f"agent {agent} turn {turn}: {len(ids)} prompt tokens; "
+                        + "; ".join(f"{arm} {row[arm]['seconds']:.2f} s, hits "
+                                    + "/".join(str(row[arm][f'{t}_hit_tokens']) for t in TIERS)
+                                    for arm in ("off", "vericache"))
+                        + f"; identical {row['identical']}")
+                    result["summary"] = summarize_arms(result)
+                    save(result)
+        finally:
+            off.shutdown()
+            spec.shutdown()
+    return result
+
+
+def summarize_arms(result: dict) -> dict:
+    per_token = result["kv_bytes_per_token"]
+    turns = result["turns"]
+    prompt = sum(r["prompt_tokens"] for r in turns)
+    summary = {}
+    for arm in ("off", "vericache"):
+        rows = [r[arm] for r in turns]
+        seconds = sum(r["seconds"] for r in rows)
+        summary[arm] = {
+            "tok_per_s": sum(r["completion_tokens"] for r in rows) / max(seconds, 1e-9),
+            "seconds": seconds,
+            "prefix_hit_ratio": sum(r["cached_tokens"] for r in rows) / max(prompt, 1),
+            **{f"{t}_hit_tokens": sum(r[f"{t}_hit_tokens"] for r in rows) for t in TIERS},
+            **{f"{t}_loaded_bytes": sum(r[f"{t}_hit_tokens"] for r in rows) * per_token for t in ("host", "storage")},
+        }
+    summary["speedup"] = summary["vericache"]["tok_per_s"] / max(summary["off"]["tok_per_s"], 1e-9)
+    summary["identical"] = f"{sum(r['identical'] for r in turns)}/{len(turns)}"
+    return summary
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = result["turns"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(turns))
+    for arm, color in (("off", "tab:gray"), ("vericache", "tab:blue")):
+        ax1.plot(x, [r[arm]["completion_tokens"] / r[arm]["seconds"] for r in turns], "o-", color=color, label=arm)
+    ax1.set_xlabel("turn (agents interleaved)")
+    ax1.set_ylabel("output tok/s (prefill included)")
+    ax1.legend()
+    bottom = [0] * len(turns)
+    for tier, color in zip(TIERS, ("tab:green", "tab:orange", "tab:red")):
+        values = [r["vericache"][f"{tier}_hit_tokens"] for r in turns]
+        ax2.bar(x, values, bottom=bottom, color=color, label=tier)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax2.plot(x, [r["prompt_tokens"] for r in turns], "k.", label="prompt tokens")
+    ax2.set_xlabel("turn")
+    ax2.set_ylabel("prefix tokens found (VERICACHE arm)")
+    ax2.legend()
+    fig.suptitle(f"agent trace through tiered KV: {result['config']['compressor']} d={result['config']['draft_len']}, "
+                 f"device pool {result['config']['device_tokens']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(result: dict) -> str:
+    s = result["summary"]
+    lines = ["| arm | tok/s | prefix hit ratio | device / host / storage hit tokens | host / storage MB loaded |",
+             "|---|---|---|---|---|"]
+    for arm in ("off", "vericache"):
+        a = s[arm]
+        lines.append(f"| {arm} | {a['tok_per_s']:.2f} | {a['prefix_hit_ratio']:.2f} | "
+                     f"{a['device_hit_tokens']} / {a['host_hit_tokens']} / {a['storage_hit_tokens']} | "
+                     f"{a['host_loaded_bytes'] / 1e6:.1f} / {a['storage_loaded_bytes'] / 1e6:.1f} |")
+    lines.append(f"speedup {s['speedup']:.2f}x, identical {s['identical']}; verify stall: {STALL_NOTE}")
+    return "\n".join(lines)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 agents x 2 turns, 8 tokens, 768-token device pool")
+    p.add_argument("--out", default=None, help="JSON path, PNG beside it (default benchmark/results/tiers.json)")
+    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    for field in dataclasses.fields(TiersConfig):
+        if field.name not in ("mode", "out"):
+            p.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=None)
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG and table from an existing --out JSON")
+    args = p.parse_args()
+    cfg = PRESETS["quick" if args.quick else "default"]
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TiersConfig)
+                 if f.name not in ("mode", "out") and getattr(args, f.name) is not None}
+    for name, value in overrides.items():
+        if isinstance(value, (int, float)) and value <= 0:
+            p.error(f"--{name.replace('_', '-')} {value} must be positive")
+    if overrides.get("compressor", cfg.compressor) not in COMPRESSORS:
+        p.error(f"--compressor {overrides['compressor']!r} is not one of {', '.join(COMPRESSORS)}")
+    cfg = dataclasses.replace(cfg, **overrides, **({"out": args.out} if args.out else {}))
+    return cfg, args.model_path, args.replot
+
+
+def main() -> None:
+    bench_main(parse_args, run, plot, summary)
+
+
+if __name__ == "__main__":
+    main()
