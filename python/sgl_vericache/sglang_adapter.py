@@ -40,6 +40,7 @@ def register_all() -> None:
     _register_spec_algorithm()
     _install_seeded_sampling()
     _install_cpu_hicache()
+    _register_radix_cache_backend()
     from sgl_vericache.config import VeriCacheConfig
 
     vc = VeriCacheConfig.from_env()
@@ -643,6 +644,109 @@ def _install_cpu_hicache() -> None:
     cls.backup_from_device_all_layer = backup_from_device_all_layer
     cls.load_to_device_per_layer = load_to_device_per_layer
     cls._vericache_cpu = True
+
+
+# --- the `vericache` radix cache backend ------------------------------------------------
+
+RADIX_BACKEND = "vericache"
+CHECK_INTEGRITY_ENV = "VERICACHE_CHECK_INTEGRITY"
+
+
+class CacheIntegrityError(AssertionError):
+    """A prefix cache, its device KV allocator or its host pool is inconsistent."""
+
+
+_radix_cache_class = None
+
+
+def vericache_radix_cache_class():
+    """SGLang's UnifiedRadixCache (HiCache included) plus ``check_integrity()``."""
+    global _radix_cache_class
+    if _radix_cache_class is not None:
+        return _radix_cache_class
+    import torch
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    class VeriCacheRadixCache(UnifiedRadixCache):
+        def check_integrity(self) -> dict:
+            """Check the tree and the pools it indexes; valid when no request is running
+            (SGLang's idle point). Raises ``CacheIntegrityError`` listing every violation;
+            returns the sizes it checked. Checks: SGLang's tree invariants (structure, leaf
+            sets, LRU lists, sizes, lock counts, parent/child tier state); no device KV slot
+            held by two tree nodes, by the padding slot, or also on the allocator's free
+            list; the allocator's free list without duplicates; tree + free slots = pool;
+            the host pool's free list without duplicates, never marked in use, and free +
+            in use = pool."""
+            problems = []
+            try:
+                self.sanity_check()
+            except AssertionError as e:
+                problems.append(f"tree: {e}")
+            alloc = self.token_to_kv_pool_allocator
+            page = alloc.page_size
+            tree = self.all_values_flatten().to(torch.int64).cpu()
+            if torch.unique(tree).numel() != tree.numel():
+                problems.append(f"{tree.numel() - torch.unique(tree).numel()} device slots held by two tree nodes")
+            if (tree == 0).any():
+                problems.append("the padding slot 0 is in the tree")
+            free = alloc.get_all_free_pages().to(torch.int64).cpu()
+            if torch.unique(free).numel() != free.numel():
+                problems.append(f"device allocator: {free.numel() - torch.unique(free).numel()} pages freed twice")
+            stale = torch.unique(tree // page)[torch.isin(torch.unique(tree // page), free)]
+            if stale.numel():
+                problems.append(f"{stale.numel()} tree pages are on the free list: {stale[:8].tolist()}")
+            if not self.protected_size() and tree.numel() + alloc.available_size() != alloc.size:
+                problems.append(f"device slots: {tree.numel()} in tree + {alloc.available_size()} free "
+                                f"!= pool {alloc.size}")
+            report = {"device_tree_tokens": int(tree.numel()), "device_free_tokens": int(alloc.available_size()),
+                      "evictable_tokens": int(self.evictable_size()), "protected_tokens": int(self.protected_size())}
+            host = getattr(getattr(self, "cache_controller", None), "mem_pool_host", None)
+            if host is not None:
+                with host.lock:
+                    host_free = torch.cat([host.free_slots.cpu(), *[r.cpu() for r in host.release_slots]])
+                    in_use = int(host.slot_used.sum())
+                    if torch.unique(host_free).numel() != host_free.numel():
+                        problems.append("host pool: slots freed twice")
+                    if host.slot_used[host_free].any():
+                        problems.append(f"host pool: {int(host.slot_used[host_free].sum())} free slots marked in use")
+                    if in_use + host_free.numel() != host.logical_size:
+                        problems.append(f"host pool: {in_use} in use + {host_free.numel()} free != {host.logical_size}")
+                report.update(host_used_tokens=in_use, host_free_tokens=int(host_free.numel()))
+            if problems:
+                raise CacheIntegrityError("; ".join(problems))
+            return report
+
+    _radix_cache_class = VeriCacheRadixCache
+    return VeriCacheRadixCache
+
+
+def _register_radix_cache_backend() -> None:
+    """``--radix-cache-backend vericache``: the cache above, with HiCache attached exactly as
+    SGLang's default chain does. With ``VERICACHE_CHECK_INTEGRITY=1`` the scheduler runs
+    ``check_integrity()`` at every idle check and stops on a violation."""
+    import os
+
+    from sglang.srt.managers.scheduler_components import invariant_checker
+    from sglang.srt.mem_cache import registry
+
+    if RADIX_BACKEND not in registry.registered_radix_cache_backends():
+        registry.register_radix_cache_backend(
+            RADIX_BACKEND,
+            lambda ctx: registry.create_unified_radix_cache(ctx, cache_class=vericache_radix_cache_class()))
+
+    checker = invariant_checker.SchedulerInvariantChecker
+    original = checker._check_tree_cache
+    if getattr(original, "_vericache", False):
+        return
+
+    def _check_tree_cache(self):
+        original(self)
+        check = getattr(self.tree_cache, "check_integrity", None)
+        if check is not None and os.environ.get(CHECK_INTEGRITY_ENV) == "1":
+            check()
+
+    _check_tree_cache._vericache = True
+    checker._check_tree_cache = _check_tree_cache
 
 
 # --- deterministic mode: row-invariant linear layers -------------------------------------
