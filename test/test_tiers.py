@@ -242,7 +242,8 @@ def _agent_trace(engine, tok):
     return turns
 
 
-def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, tmp_path, mooncake_master):
+def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, tmp_path, mooncake_master,
+                                                             monkeypatch):
     """Engine A (speculation off, pool large enough to keep everything) answers the trace
     and writes every prefix through to the file backend. Engine B (VERICACHE, a device pool
     of 1024 tokens for ~1400 tokens of conversations) starts with an empty device and host
@@ -263,8 +264,12 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
         engine.shutdown()
     assert any((tmp_path / "kv").iterdir()), "engine A wrote nothing to the file backend"
 
+    # VERICACHE engines use the `vericache` radix backend, which checks the tree, the device
+    # allocator and the host pool at every scheduler idle point (a violation stops the engine).
+    monkeypatch.setenv("VERICACHE_CHECK_INTEGRITY", "1")
     spec = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
-                speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024)
+                speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024,
+                radix_cache_backend="vericache")
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8).to_env()
     engine = _engine(default_model_path, **TIERS_KW, **files, **spec)
     try:

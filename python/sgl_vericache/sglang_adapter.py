@@ -701,17 +701,20 @@ def vericache_radix_cache_class():
             report = {"device_tree_tokens": int(tree.numel()), "device_free_tokens": int(alloc.available_size()),
                       "evictable_tokens": int(self.evictable_size()), "protected_tokens": int(self.protected_size())}
             host = getattr(getattr(self, "cache_controller", None), "mem_pool_host", None)
-            if host is not None:
-                with host.lock:
-                    host_free = torch.cat([host.free_slots.cpu(), *[r.cpu() for r in host.release_slots]])
-                    in_use = int(host.slot_used.sum())
+            host_pools = [e.host_pool for e in host.entries] if hasattr(host, "entries") else [host]
+            for i, pool in enumerate(p for p in host_pools if p is not None and hasattr(p, "slot_used")):
+                with pool.lock:
+                    host_free = torch.cat([pool.free_slots.cpu(), *[r.cpu() for r in pool.release_slots]])
+                    in_use = int(pool.slot_used.sum())
                     if torch.unique(host_free).numel() != host_free.numel():
-                        problems.append("host pool: slots freed twice")
-                    if host.slot_used[host_free].any():
-                        problems.append(f"host pool: {int(host.slot_used[host_free].sum())} free slots marked in use")
-                    if in_use + host_free.numel() != host.logical_size:
-                        problems.append(f"host pool: {in_use} in use + {host_free.numel()} free != {host.logical_size}")
-                report.update(host_used_tokens=in_use, host_free_tokens=int(host_free.numel()))
+                        problems.append(f"host pool {i}: slots freed twice")
+                    if pool.slot_used[host_free].any():
+                        problems.append(f"host pool {i}: {int(pool.slot_used[host_free].sum())} free slots marked in use")
+                    if in_use + host_free.numel() != pool.logical_size:
+                        problems.append(f"host pool {i}: {in_use} in use + {host_free.numel()} free "
+                                        f"!= {pool.logical_size}")
+                report[f"host{i}_used_tokens"] = in_use
+                report[f"host{i}_free_tokens"] = int(host_free.numel())
             if problems:
                 raise CacheIntegrityError("; ".join(problems))
             return report
