@@ -21,7 +21,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    server = ServerProcess(["--enable-metrics"], tmp_path_factory.mktemp("server") / "server.log")
+    server = ServerProcess(["--enable-metrics", "--sleep-on-idle"], tmp_path_factory.mktemp("server") / "server.log")
     server.wait_ready()
     yield server
     if server.proc.poll() is None:

@@ -209,7 +209,7 @@ def test_host_mooncake_host_round_trip_is_bit_identical(cpu_hicache, mooncake_ma
 # --- end to end ---------------------------------------------------------------------------
 
 ENGINE_KW = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, dtype="float32",
-                 log_level="warning")
+                 log_level="warning", sleep_on_idle=True)
 TIERS_KW = dict(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_io_backend="kernel",
                 hicache_mem_layout="page_first", hicache_storage_backend="file",
                 hicache_storage_prefetch_policy="wait_complete")
