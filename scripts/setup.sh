@@ -24,7 +24,7 @@ else
     "${PIP[@]}" -q torch==2.14.1 torchvision==0.29.1
     extras="test,bench,tiers"
     # Mooncake's store (the remote KV tier) links libibverbs.so.1 even for TCP transport.
-    if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+    if ! ldconfig -p | grep 'libibverbs\.so\.1 ' >/dev/null; then
         if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
             say "installing libibverbs1 (Mooncake's store needs it)"
             apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
