@@ -5,14 +5,12 @@ CI subset (this file without ``slow``): one VERICACHE engine (draft length up to
 serves every compressor at 4x and draft lengths 1, 4, 16 and 30 through per-request
 overrides (``custom_params``), at batch 1 and batch 4, over 8 prompts x 128 tokens; the
 speculation-off reference is computed once and reused. The full matrix (every compressor
-x draft lengths 1/4/16/30 x batch 1/4, 24 prompts x 256 tokens) is the ``slow`` test:
-
-    VERICACHE_SLOW=1 ./scripts/test.sh test/test_exactness.py
+x draft lengths 1/4/16/30 x batch 1/4, 24 prompts x 256 tokens) is the ``slow`` test in
+``test_exactness_matrix.py``.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
@@ -115,12 +113,6 @@ def reference(default_model_path):
     once, before the VERICACHE engine exists."""
     ids = _input_ids(default_model_path, CI_PROMPTS)
     return reference_outputs(default_model_path, ids, 128, _extra_references(default_model_path, ids))
-
-
-@pytest.fixture(scope="module")
-def reference_all(default_model_path):
-    prompts = prompt_set(8)
-    return reference_outputs(default_model_path, _input_ids(default_model_path, prompts), 256)
 
 
 @pytest.fixture(scope="module")
@@ -251,18 +243,3 @@ def test_bad_per_request_override_is_refused(vc_engine, default_model_path):
     assert "exceeds the server's --vericache-draft-len" in message
     good = vc_engine.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 8, "temperature": 0})
     assert len(good["output_ids"]) == 8
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("batch", [1, 4])
-def test_full_matrix(reference_all, vc_engine, default_model_path, batch):
-    """Run alone (-m slow): reference_all must be computed before vc_engine starts."""
-    prompts = prompt_set(8)
-    ids = _input_ids(default_model_path, prompts)
-    ref = reference_all
-    for comp, draft_len in itertools.product(COMPRESSORS, DRAFT_LENS):
-        configs = [(comp, draft_len)] * len(ids)
-        outs = run_configs(vc_engine, ids, configs, 256, batch=batch)
-        accept = check_identical(prompts, configs, outs, ref, batch=batch)
-        print(f"MATRIX {comp} draft_len={draft_len} batch={batch}: identical {len(ids)}/{len(ids)}, "
-              f"mean acceptance {sum(a or 0 for a in accept) / len(accept):.2f}")
