@@ -104,6 +104,7 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.timeout(48 * 3600)  # hours by design (the suite's default is 40 min per test)
 def test_full_matrix(default_model_path, capsys):
     prompts = prompt_set(8)
     assert len(prompts) >= 20, "the matrix needs at least 20 prompts"
