@@ -20,6 +20,8 @@ def test_flags_are_split_from_sglang_flags():
                             "--no-vericache-deterministic", "--log-level", "info"])
     assert (vc.draft_len, vc.compressor, vc.deterministic) == (8, "snapkv", False)
     assert rest == ["--port", "1234", "--log-level", "info"]
+    assert vc.tier_checksums  # on unless turned off
+    assert not parse_known(["--no-vericache-tier-checksums"])[0].tier_checksums
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -225,14 +225,14 @@ def _engine(model_path, **kw):
     return Engine(model_path=str(model_path), **ENGINE_KW, **kw)
 
 
-def _agent_trace(engine, tok):
-    """Three conversations (a ~420-token system prompt each), three rounds each, taken in
-    turn: each turn's prompt is the conversation so far. Returns per turn (output ids,
+def _agent_trace(engine, tok, rounds=ROUNDS):
+    """Three conversations (a ~420-token system prompt each), ``rounds`` rounds each, taken
+    in turn: each turn's prompt is the conversation so far. Returns per turn (output ids,
     cached_tokens_details)."""
     convs = [[{"role": "system", "content": f"You are assistant number {c}. " + "Answer briefly. " * 130}]
              for c in range(CONVERSATIONS)]
     turns = []
-    for rnd in range(ROUNDS):
+    for rnd in range(rounds):
         for c, msgs in enumerate(convs):
             msgs.append({"role": "user", "content": f"Round {rnd}: one fact about the number {rnd * 7 + c}."})
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -243,20 +243,24 @@ def _agent_trace(engine, tok):
 
 
 def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, tmp_path, mooncake_master,
-                                                             monkeypatch):
+                                                             monkeypatch, capfd):
     """Engine A (speculation off, pool large enough to keep everything) answers the trace
     and writes every prefix through to the file backend. Engine B (VERICACHE, a device pool
     of 1024 tokens for ~1400 tokens of conversations) starts with an empty device and host
     tier: its first turns find their prefix in the files A wrote, its later turns reload
     prefixes the device had to evict from the host tier. Engine C (VERICACHE, streamingllm,
     Mooncake as the remote tier, a host tier no larger than the device pool) has to load
-    later turns' prefixes back from Mooncake. B's and C's token ids must equal A's."""
+    later turns' prefixes back from Mooncake. Engine D (VERICACHE) reads A's files after the
+    tier went bad: every 40th page file has a bit flipped and every storage call is delayed;
+    the page digests catch the corrupt pages, which are recomputed. B's, C's and D's token
+    ids must equal A's. Every engine runs with page checksums on (the default)."""
     from transformers import AutoTokenizer
 
     from sgl_vericache.config import VeriCacheConfig
 
     tok = AutoTokenizer.from_pretrained(default_model_path)
     files = dict(file_storage_path=str(tmp_path / "kv"))
+    VeriCacheConfig().to_env()  # engine A: speculation off, but its pages carry digests
     engine = _engine(default_model_path, max_total_tokens=16384, **TIERS_KW, **files)
     try:
         reference = _agent_trace(engine, tok)
@@ -292,6 +296,23 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     _report("C (mooncake)", from_mooncake)
     assert sum(d.get("storage", 0) for _, d in from_mooncake) > 0
     _check_identical(from_mooncake, reference)
+
+    pages = sorted((tmp_path / "kv").glob("*.bin"))
+    for path in pages[::40]:
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        path.write_bytes(bytes(raw))
+    capfd.readouterr()
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.01")  # SGLang's own injector
+    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8).to_env()
+    engine = _engine(default_model_path, **TIERS_KW, **files, **spec)
+    try:
+        damaged = _agent_trace(engine, tok, rounds=1)
+    finally:
+        engine.shutdown()
+    _report("D (corrupt, slow files)", damaged)
+    assert "does not match its digest (corrupt)" in capfd.readouterr().err
+    _check_identical(damaged, reference[:CONVERSATIONS])
 
 
 def _report(name, turns):

@@ -33,6 +33,9 @@ class VeriCacheConfig:
     deterministic: bool = _opt(
         False, "Verify logits bit-equal to one-token decode logits (row-invariant kernels)."
     )
+    tier_checksums: bool = _opt(
+        True, "Checksum every KV page written to a HiCache storage tier (file, mooncake) and treat a page "
+        "read back with other bytes as a miss, recomputed.")
     compressor_options: str = _opt(
         "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
     )
