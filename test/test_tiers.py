@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -261,11 +262,13 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     tok = AutoTokenizer.from_pretrained(default_model_path)
     files = dict(file_storage_path=str(tmp_path / "kv"))
     VeriCacheConfig().to_env()  # engine A: speculation off, but its pages carry digests
+    t0 = time.monotonic()
     engine = _engine(default_model_path, max_total_tokens=16384, **TIERS_KW, **files)
     try:
         reference = _agent_trace(engine, tok)
     finally:
         engine.shutdown()
+    _report("A (reference)", reference, time.monotonic() - t0, capfd)
     assert any((tmp_path / "kv").iterdir()), "engine A wrote nothing to the file backend"
 
     # VERICACHE engines use the `vericache` radix backend, which checks the tree, the device
@@ -275,12 +278,13 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
                 speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024,
                 radix_cache_backend="vericache")
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8).to_env()
+    t0 = time.monotonic()
     engine = _engine(default_model_path, **TIERS_KW, **files, **spec)
     try:
         from_files = _agent_trace(engine, tok)
     finally:
         engine.shutdown()
-    _report("B (file)", from_files)
+    _report("B (file)", from_files, time.monotonic() - t0, capfd)
     assert sum(d.get("storage", 0) for _, d in from_files[:CONVERSATIONS]) > 0
     assert sum(d.get("host", 0) for _, d in from_files[CONVERSATIONS:]) > 0
     _check_identical(from_files, reference)
@@ -288,12 +292,13 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=8).to_env()
     mooncake = {**TIERS_KW, "hicache_ratio": 1.0, "hicache_storage_backend": "mooncake",
                 "hicache_storage_backend_extra_config": json.dumps(mooncake_master.extra_config())}
+    t0 = time.monotonic()
     engine = _engine(default_model_path, **mooncake, **spec)
     try:
         from_mooncake = _agent_trace(engine, tok)
     finally:
         engine.shutdown()
-    _report("C (mooncake)", from_mooncake)
+    _report("C (mooncake)", from_mooncake, time.monotonic() - t0, capfd)
     assert sum(d.get("storage", 0) for _, d in from_mooncake) > 0
     _check_identical(from_mooncake, reference)
 
@@ -305,19 +310,22 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     capfd.readouterr()
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.01")  # SGLang's own injector
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8).to_env()
+    t0 = time.monotonic()
     engine = _engine(default_model_path, **TIERS_KW, **files, **spec)
     try:
         damaged = _agent_trace(engine, tok, rounds=1)
     finally:
         engine.shutdown()
-    _report("D (corrupt, slow files)", damaged)
-    assert "does not match its digest (corrupt)" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    _report("D (corrupt, slow files)", damaged, time.monotonic() - t0, capfd)
+    assert "does not match its digest (corrupt)" in err
     _check_identical(damaged, reference[:CONVERSATIONS])
 
 
-def _report(name, turns):
-    print(f"engine {name}: cached tokens per turn (device/host/storage):",
-          [(d.get("device", 0), d.get("host", 0), d.get("storage", 0)) for _, d in turns])
+def _report(name, turns, seconds, capfd):
+    with capfd.disabled():
+        print(f"\nengine {name}: {seconds:.0f} s; cached tokens per turn (device/host/storage):",
+              [(d.get("device", 0), d.get("host", 0), d.get("storage", 0)) for _, d in turns], flush=True)
 
 
 def _check_identical(ours, reference):
