@@ -311,15 +311,35 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.01")  # SGLang's own injector
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8).to_env()
     t0 = time.monotonic()
-    engine = _engine(default_model_path, **TIERS_KW, **files, **spec)
+    engine = _engine(default_model_path, **TIERS_KW, **files, **spec, enable_metrics=True)
     try:
         damaged = _agent_trace(engine, tok, rounds=1)
+        counters = _tier_counters()
     finally:
         engine.shutdown()
     err = capfd.readouterr().err
     _report("D (corrupt, slow files)", damaged, time.monotonic() - t0, capfd)
+    with capfd.disabled():
+        print("engine D tier counters:", counters, flush=True)
     assert "does not match its digest (corrupt)" in err
+    assert counters.get("vericache:tier_pages_corrupt", 0) >= 1, counters
+    assert counters.get("vericache:tier_pages_read", 0) > 0, counters
     _check_identical(damaged, reference[:CONVERSATIONS])
+
+
+def _tier_counters() -> dict:
+    """The ``vericache:tier_*`` counters as the engine's /metrics would show them (SGLang's
+    Prometheus multiprocess directory, summed over processes)."""
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    out = {}
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name.startswith("vericache:tier_") and sample.name.endswith("_total"):
+                out[sample.name[:-len("_total")]] = out.get(sample.name[:-len("_total")], 0) + sample.value
+    return out
 
 
 def _report(name, turns, seconds, capfd):
