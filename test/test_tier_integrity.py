@@ -122,15 +122,21 @@ def test_unreachable_store_is_a_miss_not_an_error(cpu_hicache, tmp_path):
     assert store.stats.totals["pages_written"] == 0
 
 
+def _checked_mooncake(master):
+    """Two host pages, and SGLang's MooncakeStore on ``master`` behind the checked wrapper."""
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+    host, slots, _ = _host_pages(n_pages=2)
+    inner = MooncakeStore(_storage_config(master.extra_config(64 << 20)), host)
+    store = _checked("mooncake", inner)
+    store.register_mem_pool_host(host)
+    return host, slots, inner, store
+
+
 def test_mooncake_tier_corrupt_object_is_a_miss(cpu_hicache, mooncake_master):
     """A real Mooncake store: pages written through the checked wrapper come back verified; an
     object replaced in the store by other bytes of the same size is detected."""
-    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
-
-    host, slots, pages = _host_pages(n_pages=2)
-    inner = MooncakeStore(_storage_config(mooncake_master.extra_config(64 << 20)), host)
-    store = _checked("mooncake", inner)
-    store.register_mem_pool_host(host)
+    host, slots, inner, store = _checked_mooncake(mooncake_master)
     keys = ["integrity-a", "integrity-b"]
     assert store.batch_set_v1(keys, slots) == [True, True]
     assert store.batch_exists(keys + ["integrity-c"]) == 2
@@ -154,17 +160,12 @@ def test_mooncake_master_gone_is_a_miss(cpu_hicache, tmp_path):
     lookups and reads answer misses promptly instead of raising or hanging."""
     import time
 
-    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
-
     from test_tiers import MooncakeMaster
 
     pytest.importorskip("mooncake.store")
     master = MooncakeMaster(tmp_path)
     try:
-        host, slots, pages = _host_pages(n_pages=2)
-        inner = MooncakeStore(_storage_config(master.extra_config(64 << 20)), host)
-        store = _checked("mooncake", inner)
-        store.register_mem_pool_host(host)
+        host, slots, _, store = _checked_mooncake(master)
         keys = ["gone-a", "gone-b"]
         assert store.batch_set_v1(keys, slots) == [True, True]
     finally:
