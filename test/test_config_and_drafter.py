@@ -79,18 +79,73 @@ def test_store_syncs_incrementally_and_drafts_over_true_kv():
     store.check_integrity()
     q = torch.randn(2, 9, 16)
     k_new, v_new = _kv(2, seed=1)
-    outs = [store.attend("r", 0, q[i : i + 1], k_new[i : i + 1], v_new[i : i + 1], 0.25) for i in range(2)]
+    store.begin_round(["r"], steps=2)
+    outs = [store.attend(0, q[i : i + 1], k_new[i : i + 1], v_new[i : i + 1], 0.25) for i in range(2)]
     for i in range(2):
         ref = causal_attention(q[i : i + 1], k_all[:34], v_all[:34], 0.25, k_new[: i + 1], v_new[: i + 1])
         torch.testing.assert_close(outs[i], ref)
+    with pytest.raises(AssertionError):  # the round has room for 2 draft steps only
+        store.attend(0, q[:1], k_new[:1], v_new[:1], 0.25)
     # a new round forgets the provisional KV; a shorter verified length rebuilds
     store.sync("r", 34, read_kv)
-    out = store.attend("r", 0, q[:1], k_new[:1], v_new[:1], 0.25)
+    store.begin_round(["r"], steps=1)
+    out = store.attend(0, q[:1], k_new[:1], v_new[:1], 0.25)
     torch.testing.assert_close(out, outs[0])
     store.sync("r", 10, read_kv)
     assert store.cached_len("r") == 10 and reads[-1] == (1, 0, 10)
     store.release("r")
     assert "r" not in store and store.nbytes() == 0
+
+
+def _check_round(store, compressors, rows, steps, label):
+    """One draft round over ``rows``: every step's batched output equals each request's
+    reference attention (its compressor's attend over its own entry plus its own drafts)."""
+    q = torch.randn(steps, len(rows), 9, 16)
+    k_new, v_new = torch.randn(steps, len(rows), 3, 16), torch.randn(steps, len(rows), 3, 16)
+    store.begin_round(rows, steps)
+    for step in range(steps):
+        for layer_id in range(store.num_layers):
+            out = store.attend(layer_id, q[step], k_new[step], v_new[step], 0.125)
+            for b, rid in enumerate(rows):
+                entry = store._entries[rid].layers[layer_id]
+                ref = compressors[rid].attend(entry, q[step, b : b + 1], 0.125,
+                                              k_new[: step + 1, b], v_new[: step + 1, b])
+                torch.testing.assert_close(out[b : b + 1], ref, msg=f"{label}: request {rid} step {step}")
+
+
+@pytest.mark.parametrize("methods", [("kivi4", "streamingllm", "full"), ("quest", "h2o", "int8"),
+                                     ("fp8", "kivi2", "snapkv")])
+def test_batched_draft_rounds_equal_each_request_alone(methods):
+    """Rounds of requests of different lengths and compressors, drafted together, give each
+    request what its compressor's reference attention gives (padding and other requests'
+    rows never leak in). Between rounds the requests grow by verified tokens: a request
+    that keeps its buffer row rewrites only what its compressor says changed (KIVI flushes
+    recent tokens into quantized groups on the way), one that
+    moves rewrites everything, and a batch that outgrows the buffers reallocates them.
+    Quest selects pages per step (a mask per request); the others read every key."""
+    lengths = [300, 57, 180]
+    kv = [_kv(700, dim=16, seed=i) for i in range(3)]
+    store = CompressedKVStore(get_compressor("full"), num_layers=2)
+    compressors = [get_compressor(m, 4.0, **({"page_size": 8} if m == "quest" else {})) for m in methods]
+    queries = torch.randn(32, 9, 16)
+
+    def sync_all():
+        for i, (k, v) in enumerate(kv):
+            store.sync(i, lengths[i], lambda _, s, e, k=k, v=v: (k[s:e], v[s:e]), compressor=compressors[i],
+                       queries=[queries, queries])
+
+    sync_all()
+    _check_round(store, compressors, [2, 0, 1], 3, "first round")
+    for grow, rows, label in (((40, 90, 40), [2, 0, 1], "same rows"), ((33, 33, 9), [2, 0, 1], "same rows again"),
+                              ((4, 4, 4), [0, 2, 1], "rows moved"), ((300, 2, 7), [0, 2, 1], "buffers grown")):
+        lengths = [n + g for n, g in zip(lengths, grow)]
+        sync_all()
+        _check_round(store, compressors, rows, 4, label)
+    _check_round(store, compressors, [1], 2, "one request left")
+    store.check_integrity()
+    assert store.buffer_nbytes() > 0
+    store.clear()
+    assert store.buffer_nbytes() == 0
 
 
 def test_store_compresses_and_reports_size():
@@ -159,3 +214,45 @@ def test_prompt_queries_are_captured_per_request_and_layer():
     torch.testing.assert_close(kept, big[-MAX_CAPTURED_QUERIES:].reshape(-1, 3, 4))
     per_layer = _layer_queries(backend.capture["a"], num_layers=3)
     assert per_layer[0] is None and per_layer[1].shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("mode, tolerance", [("fp16", 2e-3), ("int8", 3e-2)])
+def test_draft_weights_approximate_the_model_product(mode, tolerance):
+    """The draft's cheaper weight copies give products close to the model's (relative
+    error of the output), made once per weight; 'model' is the product itself."""
+    from sgl_vericache.spec.draft_weights import DraftWeights
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g) * 0.05, torch.randn(96, generator=g)
+    x = torch.randn(4, 64, generator=g)
+    exact = torch.nn.functional.linear(x, w, b)
+    dw = DraftWeights(mode)
+    out = dw.linear(x, w, b)
+    assert out.dtype == x.dtype and out.shape == exact.shape
+    err = ((out - exact).norm() / exact.norm()).item()
+    assert 0 < err < tolerance, err  # approximate, and not the exact product by accident
+    first = dw.copied_bytes
+    dw.linear(x, w, b)
+    assert first == w.numel() * (2 if mode == "fp16" else 1) and dw.copied_bytes == first  # copied once
+    assert torch.equal(DraftWeights("model").linear(x, w, b), exact)
+
+
+def test_draft_weights_refuse_bad_modes_and_devices():
+    from sgl_vericache.spec.draft_weights import DraftWeights
+
+    with pytest.raises(ValueError, match="'int4' is not one of model, fp16, int8"):
+        DraftWeights("int4")
+    with pytest.raises(ValueError, match="int8 runs on CPU only"):
+        DraftWeights("int8").check_device(torch.device("cuda"))
+    with pytest.raises(ValueError, match="--vericache-draft-weights .bf8. is not one of auto, model, fp16, int8"):
+        VeriCacheConfig(draft_weights="bf8")
+    assert parse_known(["--vericache-draft-weights", "int8"])[0].draft_weights == "int8"
+
+
+def test_draft_weights_auto_is_fp16_for_fp32_models_only():
+    from sgl_vericache.spec.draft_weights import resolve_mode
+
+    assert VeriCacheConfig().draft_weights == "auto"
+    assert resolve_mode("auto", torch.float32) == "fp16"
+    assert resolve_mode("auto", torch.bfloat16) == "model"
+    assert resolve_mode("int8", torch.bfloat16) == "int8"

@@ -30,6 +30,12 @@ class VeriCacheConfig:
         4.0, "Target compression ratio against the full KV (droppers: kept-token budget).", min=1.0, max=64.0
     )
     draft_len: int = _opt(16, "Tokens drafted per verify round.", min=1, max=64)
+    draft_weights: str = _opt(
+        "auto", "Weights the draft passes multiply by: model (as loaded), fp16 or int8 (a cheaper copy; "
+        "verify always uses the model's own, so outputs are unchanged and only acceptance can move); "
+        "auto = fp16 for an fp32 model, else model.",
+        choices=("auto", "model", "fp16", "int8"),
+    )
     deterministic: bool = _opt(
         False, "Verify logits bit-equal to one-token decode logits (row-invariant kernels)."
     )

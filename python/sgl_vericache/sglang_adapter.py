@@ -42,6 +42,7 @@ def register_all() -> None:
     _install_cpu_hicache()
     _register_radix_cache_backend()
     _install_tier_checksums()
+    _install_draft_weights()
     from sgl_vericache.config import VeriCacheConfig
 
     vc = VeriCacheConfig.from_env()
@@ -198,6 +199,7 @@ def _build_worker_class():
             self._round = None  # this round's sampled-draft state (_SampledRound), if any
             self._rng = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
             self.stats = _Stats(get_observability().enable_metrics)
+            self.draft_weights = _build_draft_weights(self.vc.draft_weights, self.model_runner)
             _install_verify_sampler()
 
         def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
@@ -296,7 +298,7 @@ def _build_worker_class():
             bs = len(batch.reqs)
             if self._draft_backend is None:
                 self._draft_backend = _make_draft_backend(self.model_runner, self.store)
-            self._draft_backend.rids = [req.rid for req in batch.reqs]
+            self.store.begin_round([req.rid for req in batch.reqs], steps)
             fb = ForwardBatch.init_new(batch, self.model_runner, return_hidden_states_before_norm=False)
             fb.forward_mode = ForwardMode.DECODE
             fb.out_cache_loc = None
@@ -305,19 +307,42 @@ def _build_worker_class():
             out = torch.empty((bs, steps), dtype=torch.int64)
             info = batch.sampling_info
             self._round = None if info.is_all_greedy else _SampledRound(self, batch)
-            with forward_context(ForwardContext(attn_backend=self._draft_backend), forward_batch=fb):
-                for step in range(steps):
-                    fb.input_ids = tokens
-                    fb.positions = base + step
-                    logits = self.model_runner.forward(fb).logits_output.next_token_logits
-                    if self._round is None:
-                        tokens = torch.argmax(logits, dim=-1)
-                    else:
-                        tokens = self._round.draw(logits, fb.positions)
-                    out[:, step] = tokens.cpu()
+            global _DRAFT_WEIGHTS
+            _DRAFT_WEIGHTS = self.draft_weights
+            try:
+                with forward_context(ForwardContext(attn_backend=self._draft_backend), forward_batch=fb):
+                    self._draft_steps(fb, tokens, base, out, steps)
+            finally:
+                _DRAFT_WEIGHTS = None
             return out.numpy()
 
+        def _draft_steps(self, fb, tokens, base, out, steps):
+            for step in range(steps):
+                fb.input_ids = tokens
+                fb.positions = base + step
+                logits = self.model_runner.forward(fb).logits_output.next_token_logits
+                if self.draft_weights is not None:  # an fp16 overflow must not reach the sampler
+                    logits = torch.nan_to_num(logits)
+                if self._round is None:
+                    tokens = torch.argmax(logits, dim=-1)
+                else:
+                    tokens = self._round.draw(logits, fb.positions)
+                out[:, step] = tokens.cpu()
+
     return VeriCacheWorker
+
+
+def _build_draft_weights(mode: str, model_runner):
+    """The draft passes' weight copies (None: the model's own), checked against the device."""
+    from sgl_vericache.spec.draft_weights import DraftWeights, resolve_mode
+
+    mode = resolve_mode(mode, model_runner.model_config.dtype)
+    logger.info("VeriCache draft weights: %s", mode)
+    if mode == "model":
+        return None
+    weights = DraftWeights(mode)
+    weights.check_device(model_runner.device)
+    return weights
 
 
 def _build_store(vc: "VeriCacheConfig", model_runner):
@@ -371,7 +396,6 @@ def _last_token(req) -> int:
 
 
 def _make_draft_backend(model_runner, store):
-    import torch
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
     class _DraftAttentionBackend(AttentionBackend):
@@ -382,21 +406,20 @@ def _make_draft_backend(model_runner, store):
             self.req_to_token_pool = model_runner.req_to_token_pool
             self.token_to_kv_pool = model_runner.token_to_kv_pool
             self.device = model_runner.device
-            self.rids: list = []
 
         def init_forward_metadata(self, forward_batch):
             pass
 
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
-            q = q.reshape(-1, hq, d)  # [bs, H_q, D]
-            k = k.reshape(-1, hkv, d)
-            v = v.reshape(-1, hkv, layer.v_head_dim)
-            outs = [
-                store.attend(rid, layer.layer_id, q[i : i + 1], k[i : i + 1], v[i : i + 1], layer.scaling)
-                for i, rid in enumerate(self.rids)
-            ]
-            return torch.cat(outs).reshape(-1, hq * layer.v_head_dim)
+            out = store.attend(
+                layer.layer_id,
+                q.reshape(-1, hq, d),  # [bs, H_q, D], row b = batch.reqs[b] (begin_round's order)
+                k.reshape(-1, hkv, d),
+                v.reshape(-1, hkv, layer.v_head_dim),
+                layer.scaling,
+            )
+            return out.reshape(-1, hq * layer.v_head_dim)
 
         def forward_extend(self, *args, **kwargs):
             raise RuntimeError("VeriCache draft attention runs decode steps only")
@@ -989,6 +1012,39 @@ def _install_row_invariant_forward() -> None:
     forward._vericache = True
     ModelRunner.forward = forward
     logger.info("VeriCache deterministic mode: row-invariant weight products (blocks of %d rows)", ROW_BLOCK)
+
+
+# --- reduced-precision weights for the draft passes --------------------------------------
+
+_DRAFT_WEIGHTS = None  # the worker's DraftWeights while it runs draft passes, else None
+
+
+def _install_draft_weights() -> None:
+    """While a VERICACHE worker drafts with ``--vericache-draft-weights fp16|int8``, SGLang's
+    unquantized linear layers and its lm_head product use ``DraftWeights.linear`` (a cheaper
+    copy of the same weights); every other forward (prefill, decode, verify) is untouched."""
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    if getattr(UnquantizedLinearMethod.apply, "_vericache", False):
+        return
+    apply, lm_head = UnquantizedLinearMethod.apply, LogitsProcessor._compute_lm_head
+
+    def draft_apply(self, layer, x, bias=None):
+        if _DRAFT_WEIGHTS is None:
+            return apply(self, layer, x, bias)
+        return _DRAFT_WEIGHTS.linear(x, layer.weight, bias)
+
+    def draft_lm_head(self, hidden_states, head, embedding_bias=None, **kwargs):
+        plain = getattr(head, "quant_method", None) is None or type(head.quant_method).__name__.startswith("Unquant")
+        if _DRAFT_WEIGHTS is None or not plain or hasattr(head, "set_lora") or not hasattr(head, "weight"):
+            return lm_head(self, hidden_states, head, embedding_bias, **kwargs)
+        logits = _DRAFT_WEIGHTS.linear(hidden_states, head.weight)
+        return logits if embedding_bias is None else logits + embedding_bias
+
+    draft_apply._vericache = draft_lm_head._vericache = True
+    UnquantizedLinearMethod.apply = draft_apply
+    LogitsProcessor._compute_lm_head = draft_lm_head
 
 
 # --- sampling: drafts and acceptance for batches that do not decode greedily --------------

@@ -3,23 +3,30 @@
 The store keeps, for every running request and layer, a ``CompressedLayer`` that is a
 compression of the request's *verified* KV: before each draft round ``sync`` compresses
 (first time) or appends (later) the verified tokens it has not seen yet, reading them from
-the full KV through a callback. During the round, the draft tokens' own K/V (computed from
-approximate hidden states) go to a per-round provisional buffer, never into the entry;
-``begin_round`` discards them. So the compressed cache is always a compression of the
-true cache, and provisional KV never reaches either cache.
+the full KV through a callback. ``begin_round`` then lays the round's requests side by side
+in one draft buffer per layer: each entry's keys/values as a dense reader sees them
+(``materialize``), padded to the longest, plus room for the round's draft tokens. The draft
+tokens' own K/V (computed from approximate hidden states) are written into that buffer only,
+never into an entry, and the next ``begin_round`` overwrites them. So the compressed cache
+is always a compression of the true cache, and provisional KV never reaches either cache.
+
+One draft step then costs one attention call per layer for the whole batch, reading each
+kept key once; nothing is concatenated or copied per step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional
+from dataclasses import dataclass
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor, causal_attention, full_nbytes
+from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor, full_nbytes
 
 # (layer_id, start, end) -> (k, v), each [end - start, H_kv, D]: verified KV of a request
 ReadKV = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
+_ROW_ALIGN = 64  # buffer rows are allocated in multiples of this, so small growth reuses them
 
 
 @dataclass
@@ -27,12 +34,19 @@ class _RequestEntry:
     compressor: KVCompressor
     layers: list[Optional[CompressedLayer]]
     cached_len: int = 0  # verified tokens represented by every layer's entry
-    # provisional KV of the current round, per layer: list of [1, H_kv, D] tensors
-    draft_k: list[list[torch.Tensor]] = field(default_factory=list)
-    draft_v: list[list[torch.Tensor]] = field(default_factory=list)
-    # per layer, the entry as dense (k, v), materialized once per round for methods whose
-    # draft attention is plain attention over it (all but query-aware page selection)
-    dense: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+
+
+@dataclass
+class _Round:
+    """The draft round in progress: which requests, in which rows, and how far it got."""
+
+    entries: list[_RequestEntry]
+    dense_lens: list[int]  # per request: rows of its materialized entry
+    width: int  # max(dense_lens): draft token s of every request sits in column width + s
+    steps: int
+    valid: Optional[torch.Tensor]  # [B, 1, 1, width + steps] bool; None when no row is padded
+    step: list[int]  # per layer: draft tokens written so far this round
+    query_aware: bool  # some request's compressor selects keys per step (Quest)
 
 
 class CompressedKVStore:
@@ -40,6 +54,11 @@ class CompressedKVStore:
         self.compressor = compressor
         self.num_layers = num_layers
         self._entries: dict[Hashable, _RequestEntry] = {}
+        self._round: Optional[_Round] = None
+        self._k_buf: list[Optional[torch.Tensor]] = [None] * num_layers  # [B_cap, H_kv, L_cap, D]
+        self._v_buf: list[Optional[torch.Tensor]] = [None] * num_layers
+        # per buffer row, what the last begin_round wrote there: (entry, its layers, rows)
+        self._laid_out: list[tuple[_RequestEntry, list, int]] = []
         self.tokens_compressed = 0  # counters for metrics
         self.tokens_appended = 0
 
@@ -70,52 +89,147 @@ class CompressedKVStore:
         if entry is None:
             entry = self._entries[rid] = _RequestEntry(compressor, layers=[None] * self.num_layers)
         start = entry.cached_len
-        if verified_len > start:
-            for layer_id in range(self.num_layers):
-                k, v = read_kv(layer_id, start, verified_len)
-                old = entry.layers[layer_id]
-                if old is None:
-                    q = None if queries is None else queries[layer_id]
-                    entry.layers[layer_id] = compressor.compress(k, v, q if compressor.needs_queries else None)
-                else:
-                    entry.layers[layer_id] = compressor.append(old, k, v)
-            if start == 0:
-                self.tokens_compressed += verified_len
+        if verified_len <= start:
+            return
+        for layer_id in range(self.num_layers):
+            k, v = read_kv(layer_id, start, verified_len)
+            old = entry.layers[layer_id]
+            if old is None:
+                q = None if queries is None else queries[layer_id]
+                entry.layers[layer_id] = compressor.compress(k, v, q if compressor.needs_queries else None)
             else:
-                self.tokens_appended += verified_len - start
-            entry.cached_len = verified_len
-        self._reset_round(entry)
+                entry.layers[layer_id] = compressor.append(old, k, v)
+        if start == 0:
+            self.tokens_compressed += verified_len
+        else:
+            self.tokens_appended += verified_len - start
+        entry.cached_len = verified_len
 
-    def _reset_round(self, entry: _RequestEntry) -> None:
-        entry.draft_k = [[] for _ in range(self.num_layers)]
-        entry.draft_v = [[] for _ in range(self.num_layers)]
-        entry.dense = [None] * self.num_layers
+    # ------------------------------------------------------------------ the draft round
+
+    def begin_round(self, rids: Sequence[Hashable], steps: int) -> None:
+        """Lay out the draft buffers for ``steps`` draft steps of these (synced) requests,
+        row b = rids[b]. Any earlier round's provisional KV is gone after this. A request
+        that keeps its row from the last round rewrites only the rows its compressor says
+        changed (``stable_rows``): steady decoding re-materializes just the new tail."""
+        if steps < 1:
+            raise ValueError(f"a draft round needs at least one step, got {steps}")
+        entries = [self._entries[rid] for rid in rids]
+        tails = [self._tails(b, entry, reuse=True) for b, entry in enumerate(entries)]
+        dense_lens = [_rows(t) for t in tails]
+        width = max(dense_lens, default=0)
+        valid = None
+        if any(n < width for n in dense_lens):
+            cols = torch.arange(width + steps)
+            lens = torch.tensor(dense_lens)
+            valid = ((cols[None, :] < lens[:, None]) | (cols[None, :] >= width))[:, None, None, :]
+        self._round = _Round(entries, dense_lens, width, steps, valid, [0] * self.num_layers,
+                             any(_selects_per_step(e.compressor) for e in entries))
+        if self._grow(len(entries), width + steps):  # new buffers: nothing to reuse
+            tails = [self._tails(b, entry, reuse=False) for b, entry in enumerate(entries)]
+        for layer_id in range(self.num_layers):
+            k_buf, v_buf = self._buffers(layer_id, len(entries), width + steps)
+            for b, per_layer in enumerate(tails):
+                if per_layer[layer_id] is not None:
+                    start, k, v = per_layer[layer_id]
+                    k_buf[b, :, start : dense_lens[b]] = k.transpose(0, 1)
+                    v_buf[b, :, start : dense_lens[b]] = v.transpose(0, 1)
+        self._laid_out = [(entry, list(entry.layers), n) for entry, n in zip(entries, dense_lens)]
+
+    def _tails(self, row: int, entry: _RequestEntry, reuse: bool):
+        """Per layer (start, k, v): the materialized rows [start:] of the entry that row
+        ``row`` of the buffers lacks, or None for an empty layer."""
+        prev = self._laid_out[row] if reuse and row < len(self._laid_out) else None
+        if prev is not None and prev[0] is not entry:
+            prev = None  # the row held another request (or an entry since rebuilt)
+        out = []
+        for layer_id, layer in enumerate(entry.layers):
+            if layer is None or layer.num_tokens == 0:
+                out.append(None)
+                continue
+            start = 0
+            if prev is not None and prev[1][layer_id] is not None:
+                start = min(entry.compressor.stable_rows(prev[1][layer_id], layer), prev[2])
+            out.append((start, *entry.compressor.materialize_tail(layer, start)))
+        return out
 
     def attend(
         self,
-        rid: Hashable,
         layer_id: int,
-        q: torch.Tensor,  # [1, H_q, D] this draft step's query
-        k_new: torch.Tensor,  # [1, H_kv, D] provisional KV of the token being drafted from
+        q: torch.Tensor,  # [B, H_q, D] this draft step's queries, row b = rids[b] of begin_round
+        k_new: torch.Tensor,  # [B, H_kv, D] provisional KV of the tokens being drafted from
         v_new: torch.Tensor,
         scale: float,
-    ) -> torch.Tensor:  # [1, H_q, D]
-        entry = self._entries[rid]
-        entry.draft_k[layer_id].append(k_new)
-        entry.draft_v[layer_id].append(v_new)
-        k_extra = torch.cat(entry.draft_k[layer_id])
-        v_extra = torch.cat(entry.draft_v[layer_id])
-        layer = entry.layers[layer_id]
-        if layer is None:  # nothing verified yet (empty prompt): attend to the draft only
-            layer = entry.compressor.compress(k_extra[:0], v_extra[:0])
-        if type(entry.compressor).attend is not KVCompressor.attend:
-            return entry.compressor.attend(layer, q, scale, k_extra, v_extra)
-        # Same math as KVCompressor.attend, without re-materializing every draft step.
-        if entry.dense[layer_id] is None:
-            k, v, _ = entry.compressor.materialize(layer)
-            entry.dense[layer_id] = (k, v)
-        k, v = entry.dense[layer_id]
-        return causal_attention(q, k, v, scale, k_extra, v_extra)
+    ) -> torch.Tensor:  # [B, H_q, D]
+        """One draft step of one layer: each request's query reads its compressed entry and
+        the round's draft tokens so far (its own included). Computed in fp32 when the
+        entries are lower precision; a request that sees nothing gets zeros."""
+        rnd = self._round
+        assert rnd is not None, "attend() outside a draft round (call begin_round first)"
+        step = rnd.step[layer_id]
+        assert step < rnd.steps and q.shape[0] == len(rnd.entries), (step, rnd.steps, q.shape)
+        rnd.step[layer_id] = step + 1
+        end = rnd.width + step + 1
+        k_buf, v_buf = self._buffers(layer_id, len(rnd.entries), rnd.width + rnd.steps)
+        k_buf[:, :, end - 1] = k_new
+        v_buf[:, :, end - 1] = v_new
+        mask = None if rnd.valid is None else rnd.valid[..., :end]
+        if rnd.query_aware:
+            mask = self._selection_mask(layer_id, q, end, mask)
+        out = F.scaled_dot_product_attention(
+            q.float()[:, :, None, :],  # [B, H_q, 1, D]
+            k_buf[:, :, :end].float(),  # [B, H_kv, end, D]
+            v_buf[:, :, :end].float(),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )  # [B, H_q, 1, D]
+        return out[:, :, 0].to(q.dtype)
+
+    def _selection_mask(self, layer_id, q, end, mask):
+        """Padding mask AND each query-aware request's per-step key selection."""
+        rnd = self._round
+        num_q_heads = q.shape[1]
+        full = torch.ones(len(rnd.entries), num_q_heads, 1, end, dtype=torch.bool)
+        if mask is not None:
+            full &= mask
+        for b, entry in enumerate(rnd.entries):
+            layer = entry.layers[layer_id]
+            if layer is not None and _selects_per_step(entry.compressor):
+                chosen = entry.compressor.step_selection(layer, q[b : b + 1])  # [H_q, 1, N] or None
+                if chosen is not None:
+                    full[b, :, :, : rnd.dense_lens[b]] &= chosen
+        return full
+
+    def _buffers(self, layer_id: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's draft buffers viewed as [rows, H_kv, cols, D], the layout the
+        attention kernel reads fastest (``_grow`` sized them)."""
+        return self._k_buf[layer_id][:rows, :, :cols], self._v_buf[layer_id][:rows, :, :cols]
+
+    def _grow(self, rows: int, cols: int) -> bool:
+        """Make every layer's buffers hold [rows, H_kv, cols, D]; True if they were
+        reallocated (their old contents are gone). Kept between rounds, so steady
+        decoding allocates nothing."""
+        k_buf = self._k_buf[0]
+        if k_buf is not None and k_buf.shape[0] >= rows and k_buf.shape[2] >= cols:
+            return False
+        ref = self._reference_layer()
+        shape = (max(rows, 0 if k_buf is None else k_buf.shape[0]), ref.num_kv_heads,
+                 -(-max(cols, 0 if k_buf is None else k_buf.shape[2]) // _ROW_ALIGN) * _ROW_ALIGN,
+                 ref.head_dim)
+        self._k_buf = [None] * self.num_layers  # free the old ones first
+        self._v_buf = [None] * self.num_layers
+        self._k_buf = [torch.zeros(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
+        self._v_buf = [torch.zeros(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
+        return True
+
+    def _reference_layer(self):
+        for entry in self._round.entries:
+            for layer in entry.layers:
+                if layer is not None:
+                    t = layer.tensors()[0]
+                    return _BufferSpec(layer.num_kv_heads, layer.head_dim, layer.dtype, t.device)
+        raise ValueError("a draft round needs at least one request with verified KV")
+
+    # ------------------------------------------------------------------ lifetime
 
     def release(self, rid: Hashable) -> None:
         self._entries.pop(rid, None)
@@ -126,9 +240,18 @@ class CompressedKVStore:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._round = None
+        self._laid_out = []
+        self._k_buf = [None] * self.num_layers
+        self._v_buf = [None] * self.num_layers
 
     def nbytes(self) -> int:
         return sum(l.nbytes() for e in self._entries.values() for l in e.layers if l is not None)
+
+    def buffer_nbytes(self) -> int:
+        """Bytes the draft buffers hold (a dense copy of the round's entries plus draft room)."""
+        bufs = [b for b in self._k_buf + self._v_buf if b is not None]
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     def full_nbytes(self) -> int:
         total = 0
@@ -145,3 +268,24 @@ class CompressedKVStore:
                 if entry.cached_len:
                     assert layer is not None and layer.num_tokens == entry.cached_len, (rid, entry.cached_len)
                     layer.check_integrity()
+        for k_buf, v_buf in zip(self._k_buf, self._v_buf):
+            assert (k_buf is None) == (v_buf is None) and (k_buf is None or k_buf.shape == v_buf.shape)
+
+
+def _rows(per_layer) -> int:
+    """Materialized rows of a request (the same in every layer)."""
+    rows = {0 if t is None else t[0] + t[1].shape[0] for t in per_layer}
+    assert len(rows) == 1, f"layers of one request materialize different row counts: {sorted(rows)}"
+    return rows.pop()
+
+
+@dataclass(frozen=True)
+class _BufferSpec:
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _selects_per_step(compressor: KVCompressor) -> bool:
+    return type(compressor).step_selection is not KVCompressor.step_selection

@@ -228,6 +228,18 @@ class KVCompressor(ABC):
         """(k, v, positions): the keys/values a dense reader sees, dequantized to
         layer.dtype ([N, H_kv, D] each), and their token positions [N, H_kv]."""
 
+    def materialize_tail(self, layer: CompressedLayer, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [start:] of ``materialize(layer)``'s (k, v). Methods that can produce them
+        without the rows before override this; the drafter uses it with ``stable_rows``."""
+        k, v, _ = self.materialize(layer)
+        return k[start:], v[start:]
+
+    def stable_rows(self, old: CompressedLayer, new: CompressedLayer) -> int:
+        """For ``new`` grown from ``old`` by append() calls: how many leading rows of
+        ``materialize(new)`` are bit-equal to those of ``materialize(old)`` (0: assume none).
+        Lets a reader that kept old's dense rows rewrite only the rest."""
+        return 0
+
     def dequantize(self, layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.materialize(layer)
 
@@ -244,9 +256,16 @@ class KVCompressor(ABC):
         k_extra: torch.Tensor | None = None,  # [E, H_kv, D]
         v_extra: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [S, H_q, D] in q.dtype
-        """Draft attention over the entry plus the causal provisional extras (fp32 softmax)."""
+        """Draft attention over the entry plus the causal provisional extras (fp32 softmax):
+        the reference for the drafter's batched path, which reads ``materialize`` and
+        ``step_selection`` the same way."""
         k, v, _ = self.materialize(layer)
-        return causal_attention(q, k, v, scale, k_extra, v_extra)
+        return causal_attention(q, k, v, scale, k_extra, v_extra, mask=self.step_selection(layer, q))
+
+    def step_selection(self, layer: CompressedLayer, q: torch.Tensor) -> torch.Tensor | None:
+        """[H_q, S, N] bool: which materialized keys each query head reads at this draft
+        step (q: [S, H_q, D]), or None for all of them. Query-aware methods (Quest) override."""
+        return None
 
     def read_nbytes(self, layer: CompressedLayer) -> int:
         """Bytes one attend() step reads from the entry (all of it, except for Quest)."""

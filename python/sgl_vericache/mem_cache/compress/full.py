@@ -39,5 +39,8 @@ class FullCompressor(KVCompressor):
         positions = torch.arange(layer.num_tokens, device=layer.k.device)[:, None]
         return layer.k, layer.v, positions.expand(-1, layer.num_kv_heads)
 
+    def stable_rows(self, old, new):
+        return old.num_tokens  # append only adds rows
+
     def nbytes_for(self, num_tokens, num_kv_heads, head_dim, dtype):
         return full_nbytes(num_tokens, num_kv_heads, head_dim, dtype)

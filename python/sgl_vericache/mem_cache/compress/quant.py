@@ -145,15 +145,26 @@ class KiviCompressor(KVCompressor):
         return (k_codes, k_scale.squeeze(1), k_zero.squeeze(1), v_codes, v_scale.squeeze(-1), v_zero.squeeze(-1))
 
     def materialize(self, layer):
-        num_q, num_heads, head_dim = layer.quantized_len, layer.num_kv_heads, layer.head_dim
-        group, vgroup = self.options["group_size"], min(self.options["group_size"], head_dim)
-        k_codes = unpack_bits(layer.k_codes, self.bits).reshape(num_q // group, group, num_heads, head_dim)
-        k = dequantize_asym(k_codes, layer.k_scale[:, None], layer.k_zero[:, None])
-        v_codes = unpack_bits(layer.v_codes, self.bits).reshape(num_q, num_heads, head_dim // vgroup, vgroup)
-        v = dequantize_asym(v_codes, layer.v_scale[..., None], layer.v_zero[..., None])
+        k, v = self.materialize_tail(layer, 0)
+        return k, v, _dense_positions(layer.num_tokens, layer.num_kv_heads, k.device)
+
+    def materialize_tail(self, layer, start):
+        group = self.options["group_size"]
+        if start % group or start > layer.quantized_len:  # not on a group boundary of the codes
+            return super().materialize_tail(layer, start)
+        num_q, num_heads, head_dim = layer.quantized_len - start, layer.num_kv_heads, layer.head_dim
+        vgroup = min(group, head_dim)
+        g0 = start // group
+        k_codes = unpack_bits(layer.k_codes[start:], self.bits).reshape(num_q // group, group, num_heads, head_dim)
+        k = dequantize_asym(k_codes, layer.k_scale[g0:, None], layer.k_zero[g0:, None])
+        v_codes = unpack_bits(layer.v_codes[start:], self.bits).reshape(num_q, num_heads, head_dim // vgroup, vgroup)
+        v = dequantize_asym(v_codes, layer.v_scale[start:, ..., None], layer.v_zero[start:, ..., None])
         k = torch.cat([k.reshape(num_q, num_heads, head_dim).to(layer.dtype), layer.k_recent])
         v = torch.cat([v.reshape(num_q, num_heads, head_dim).to(layer.dtype), layer.v_recent])
-        return k, v, _dense_positions(layer.num_tokens, num_heads, k.device)
+        return k, v
+
+    def stable_rows(self, old, new):
+        return old.quantized_len  # quantized groups never change; the recent window does
 
     def nbytes_for(self, num_tokens, num_kv_heads, head_dim, dtype):
         num_q = self.quantized_len(num_tokens)
@@ -226,9 +237,16 @@ class Int8Compressor(KVCompressor):
         return Int8Layer(layer.num_tokens + k.shape[0], layer.num_kv_heads, layer.head_dim, layer.dtype, *merged)
 
     def materialize(self, layer):
-        k = (layer.k_codes.float() * layer.k_scale.float()).to(layer.dtype)
-        v = (layer.v_codes.float() * layer.v_scale.float()).to(layer.dtype)
+        k, v = self.materialize_tail(layer, 0)
         return k, v, _dense_positions(layer.num_tokens, layer.num_kv_heads, k.device)
+
+    def materialize_tail(self, layer, start):
+        k = (layer.k_codes[start:].float() * layer.k_scale[start:].float()).to(layer.dtype)
+        v = (layer.v_codes[start:].float() * layer.v_scale[start:].float()).to(layer.dtype)
+        return k, v
+
+    def stable_rows(self, old, new):
+        return old.num_tokens  # each token is coded on its own, once
 
     def nbytes_for(self, num_tokens, num_kv_heads, head_dim, dtype):
         return 2 * num_tokens * num_kv_heads * (head_dim + META_DTYPE.itemsize)
@@ -290,9 +308,21 @@ class Fp8Compressor(KVCompressor):
         if layer.num_tokens == 0:  # the head scale is not set yet
             empty = layer.k_codes.to(layer.dtype)
             return empty, empty, _dense_positions(0, layer.num_kv_heads, empty.device)
-        k = (layer.k_codes.float() * layer.k_scale).to(layer.dtype)
-        v = (layer.v_codes.float() * layer.v_scale).to(layer.dtype)
+        k, v = self.materialize_tail(layer, 0)
         return k, v, _dense_positions(layer.num_tokens, layer.num_kv_heads, k.device)
+
+    def materialize_tail(self, layer, start):
+        if layer.num_tokens == 0:
+            return super().materialize_tail(layer, start)
+        k_scale = layer.k_scale if layer.k_scale.dim() == 2 else layer.k_scale[start:]  # "head": [H, 1]
+        v_scale = layer.v_scale if layer.v_scale.dim() == 2 else layer.v_scale[start:]
+        k = (layer.k_codes[start:].float() * k_scale).to(layer.dtype)
+        v = (layer.v_codes[start:].float() * v_scale).to(layer.dtype)
+        return k, v
+
+    def stable_rows(self, old, new):
+        # codes are per token; the head scale is fixed by the first non-empty append
+        return old.num_tokens
 
     def nbytes_for(self, num_tokens, num_kv_heads, head_dim, dtype):
         per_token = self.options["scale"] == "token"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import CompressedLayer, KVCompressor, OptionSpec, causal_attention, check_append, check_kv
+from .base import CompressedLayer, KVCompressor, OptionSpec, check_append, check_kv
 from .registry import register_compressor
 
 
@@ -81,6 +81,9 @@ class QuestCompressor(KVCompressor):
         positions = torch.arange(layer.num_tokens, device=layer.k.device)[:, None]
         return layer.k, layer.v, positions.expand(-1, layer.num_kv_heads)
 
+    def stable_rows(self, old, new):
+        return old.num_tokens  # every key is kept as it is; append only adds rows
+
     def page_scores(self, layer: QuestLayer, q: torch.Tensor) -> torch.Tensor:
         """Upper bound of q.k over each page: [S, H_q, P] fp32 (q: [S, H_q, D])."""
         group = q.shape[1] // layer.num_kv_heads
@@ -97,11 +100,10 @@ class QuestCompressor(KVCompressor):
         token_page = torch.arange(layer.num_tokens, device=q.device) // self.options["page_size"]
         return pages[..., token_page].transpose(0, 1)
 
-    def attend(self, layer, q, scale, k_extra=None, v_extra=None):
-        mask = None
+    def step_selection(self, layer, q):
         if self.pages_read(layer.num_tokens) < self.num_pages(layer.num_tokens):
-            mask = self.selected_tokens(layer, q)
-        return causal_attention(q, layer.k, layer.v, scale, k_extra, v_extra, mask=mask)
+            return self.selected_tokens(layer, q)
+        return None
 
     def nbytes_for(self, num_tokens, num_kv_heads, head_dim, dtype):
         return 2 * (num_tokens + self.num_pages(num_tokens)) * num_kv_heads * head_dim * dtype.itemsize

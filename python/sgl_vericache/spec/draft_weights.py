@@ -1,0 +1,91 @@
+"""Reduced-precision weight products for the draft passes (no SGLang imports).
+
+A draft step reads every weight of the model, as a decode step does; at small batch on a
+CPU those reads, not the KV, are most of the step (profiled: ~60% of a draft step at 2k
+context x batch 4 is the linear layers and the lm_head, fp32). Drafting only proposes
+tokens, and the verify pass runs the model's own weights over the full KV, so the draft
+may multiply by a cheaper copy of the weights: the output is unchanged (token-identical
+under greedy and seeded sampling, distribution-exact under rejection sampling, whose q is
+the draft's own distribution), only the acceptance rate can move.
+
+Modes (``--vericache-draft-weights``):
+  auto    fp16 when the model runs in fp32, else model (the default)
+  model   the model's weights as they are (no copy)
+  fp16    an fp16 copy; products in fp16, results cast back (half the bytes of fp32)
+  int8    per-output-channel symmetric int8 copy, activations quantized per call
+          (PyTorch's dynamic-quantized linear, fbgemm/x86 engine; a quarter of the bytes)
+
+Copies are made on first use, one per weight tensor, and kept for the process's life.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+DRAFT_WEIGHT_MODES = ("model", "fp16", "int8")
+_INT8_ENGINES = ("x86", "fbgemm")
+
+
+def resolve_mode(mode: str, model_dtype: torch.dtype) -> str:
+    """``auto``: fp16 for an fp32 model (measured on CPU: the same acceptance as fp32
+    weights, ~25% less time per round at 2k context x batch 4), else the model's own."""
+    if mode != "auto":
+        return mode
+    return "fp16" if model_dtype == torch.float32 else "model"
+
+
+class DraftWeights:
+    def __init__(self, mode: str):
+        if mode not in DRAFT_WEIGHT_MODES:
+            raise ValueError(f"draft weights {mode!r} is not one of {', '.join(DRAFT_WEIGHT_MODES)} "
+                             "(resolve 'auto' with resolve_mode first)")
+        self.mode = mode
+        self._copies: dict[int, tuple[torch.Tensor, object]] = {}  # id(weight) -> (weight, copy)
+        self.copied_bytes = 0
+
+    def check_device(self, device: torch.device) -> None:
+        """Refuse a mode this device cannot run, naming what would work."""
+        if self.mode == "int8":
+            if torch.device(device).type != "cpu":
+                raise ValueError(f"--vericache-draft-weights int8 runs on CPU only (device {device}); "
+                                 "use fp16 or model")
+            engines = torch.backends.quantized.supported_engines
+            if not any(e in engines for e in _INT8_ENGINES):
+                raise ValueError(f"--vericache-draft-weights int8 needs PyTorch's x86/fbgemm quantized engine; "
+                                 f"this build has {engines}: use fp16 or model")
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x @ weight.T + bias with this mode's copy of ``weight`` ([out, in]); x [..., in]."""
+        if self.mode == "model" or weight.dim() != 2:
+            return F.linear(x, weight, bias)
+        copy = self._copy(weight, bias)
+        if self.mode == "fp16":
+            w16, b16 = copy
+            return F.linear(x.to(torch.float16), w16, b16).to(x.dtype)
+        # int8: fbgemm takes fp32 activations and quantizes them itself
+        return torch.ops.quantized.linear_dynamic(x.float(), copy, True).to(x.dtype)
+
+    def _copy(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        hit = self._copies.get(id(weight))
+        if hit is not None and hit[0] is weight:
+            return hit[1]
+        with torch.no_grad():
+            if self.mode == "fp16":
+                copy = (weight.detach().to(torch.float16), None if bias is None else bias.detach().to(torch.float16))
+                self.copied_bytes += weight.numel() * 2
+            else:
+                copy = _int8_packed(weight.detach().float(), None if bias is None else bias.detach().float())
+                self.copied_bytes += weight.numel()
+        self._copies[id(weight)] = (weight, copy)
+        return copy
+
+
+def _int8_packed(weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """Symmetric per-output-channel int8, packed for PyTorch's dynamic-quantized linear."""
+    scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+    zero = torch.zeros(weight.shape[0], dtype=torch.int64)
+    qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(qweight, bias)
