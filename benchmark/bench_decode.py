@@ -63,6 +63,7 @@ class DecodeConfig:
     max_new_tokens: int = 64
     repeats: int = 3
     ratio: float = 4.0
+    draft_weights: str = "auto"  # --vericache-draft-weights of the VERICACHE arm (auto: fp16 for this fp32 model)
     out: str = "benchmark/results/decode.json"
 
 
@@ -142,7 +143,8 @@ def start_engines(model_path: str, cfg: DecodeConfig, max_draft_len: int, max_co
     common = dict(enable_metrics=True, max_total_tokens=max(8192, max(cfg.batches) * per_request + 256))
     env = {"SGLANG_USE_CPU_ENGINE": "1"}
     off = DecodeEngine(model_path, env, **common)
-    VeriCacheConfig(compressor=cfg.compressors[0], ratio=cfg.ratio, draft_len=max_draft_len).to_env()
+    VeriCacheConfig(compressor=cfg.compressors[0], ratio=cfg.ratio, draft_len=max_draft_len,
+                    draft_weights=cfg.draft_weights).to_env()
     spec = DecodeEngine(model_path, env, speculative_algorithm="VERICACHE", speculative_num_draft_tokens=max_draft_len + 1,
                         speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, **common)
     return off, spec, common
@@ -418,6 +420,8 @@ def parse_args():
         p.add_argument(flag, default=None, help=help_)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--draft-weights", default=None, choices=("auto", "model", "fp16", "int8"),
+                   help="the VERICACHE arm's --vericache-draft-weights (default auto: fp16 for an fp32 model)")
     p.add_argument("--replot", action="store_true", help="only redraw the PNG and table from an existing --out JSON")
     a = p.parse_args()
     cfg = PRESETS["quick" if a.quick else "full"]
@@ -425,7 +429,7 @@ def parse_args():
     overrides = {"contexts": a.contexts and ints(a.contexts), "batches": a.batches and ints(a.batches),
                  "compressors": a.compressors and tuple(a.compressors.split(",")),
                  "draft_lens": a.draft_lens and ints(a.draft_lens), "max_new_tokens": a.max_new_tokens,
-                 "repeats": a.repeats}
+                 "repeats": a.repeats, "draft_weights": a.draft_weights}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         overrides["mode"] = cfg.mode + "+custom"

@@ -134,11 +134,12 @@ def expected_acceptance_length(alpha: float, draft_len: int) -> float:
 
 
 def _pass_time(shape, hw, context, batch, dtype_bytes, n_tokens, kv_ratio=1.0,
-               link_bytes=0.0, overlap=True) -> float:
-    """One forward pass of n_tokens per request for batch requests."""
+               link_bytes=0.0, overlap=True, weight_bytes=None) -> float:
+    """One forward pass of n_tokens per request for batch requests; ``weight_bytes`` per
+    parameter read (default dtype_bytes: a draft with --vericache-draft-weights fp16 reads 2)."""
     kv_read = batch * context * shape.kv_bytes_per_token(dtype_bytes) / kv_ratio * hw.kv_read_passes
     kv_write = batch * n_tokens * shape.kv_bytes_per_token(dtype_bytes)
-    mem_bytes = shape.read_params() * dtype_bytes + kv_read + kv_write
+    mem_bytes = shape.read_params() * (dtype_bytes if weight_bytes is None else weight_bytes) + kv_read + kv_write
     flops = batch * (2 * shape.read_params() * n_tokens + shape.attention_flops(context, n_tokens))
     compute = max(mem_bytes / hw.mem_bw, flops / hw.flops)
     link = 0.0
@@ -159,13 +160,15 @@ def full_kv_step_time(shape: ModelShape, hw: Hardware, context: int, batch: int,
 
 
 def vericache_round_time(shape: ModelShape, hw: Hardware, context: int, batch: int, dtype_bytes: float,
-                         ratio: float, draft_len: int, offloaded: bool = True, overlap: bool = True) -> float:
+                         ratio: float, draft_len: int, offloaded: bool = True, overlap: bool = True,
+                         draft_weight_bytes: Optional[float] = None) -> float:
     """Seconds for one round of every request in the batch: draft_len draft passes over the
     compressed KV, then one verify pass of draft_len + 1 tokens over the full KV. Offloaded:
     the full KV crosses the host link once per round; with overlap it streams while the
     batch drafts (the paper's staggering), so the round costs max(compute, transfer).
-    The context is taken as fixed over the round (draft_len << context)."""
-    draft = draft_len * _pass_time(shape, hw, context, batch, dtype_bytes, 1, ratio)
+    The context is taken as fixed over the round (draft_len << context). The draft passes
+    read ``draft_weight_bytes`` per parameter (default: the model's dtype_bytes)."""
+    draft = draft_len * _pass_time(shape, hw, context, batch, dtype_bytes, 1, ratio, weight_bytes=draft_weight_bytes)
     verify = _pass_time(shape, hw, context, batch, dtype_bytes, draft_len + 1)
     compute = draft + verify
     if offloaded:
@@ -187,7 +190,7 @@ def fit_batch(shape: ModelShape, hw: Hardware, context: int, batch: int, dtype_b
     return max(0, min(batch, math.floor(free / per_request)))
 
 
-def _arm_rates(shape, hw, context, batch, dtype_bytes, ratio, draft_len, acc_len, overlap):
+def _arm_rates(shape, hw, context, batch, dtype_bytes, ratio, draft_len, acc_len, overlap, draft_weight_bytes=None):
     """Arm -> (batch held, tok/s); no offloaded arms on hardware without a host tier."""
     def full(offloaded, fraction):
         b = fit_batch(shape, hw, context, batch, dtype_bytes, fraction)
@@ -196,7 +199,8 @@ def _arm_rates(shape, hw, context, batch, dtype_bytes, ratio, draft_len, acc_len
 
     def vericache(offloaded, fraction):
         b = fit_batch(shape, hw, context, batch, dtype_bytes, fraction)
-        t = vericache_round_time(shape, hw, context, b, dtype_bytes, ratio, draft_len, offloaded, overlap)
+        t = vericache_round_time(shape, hw, context, b, dtype_bytes, ratio, draft_len, offloaded, overlap,
+                                 draft_weight_bytes)
         return b, (b * acc_len / t if b else 0.0)
 
     arms = {"full_resident": full(False, 1.0),
@@ -210,7 +214,7 @@ def _arm_rates(shape, hw, context, batch, dtype_bytes, ratio, draft_len, acc_len
 
 def predict(shape: ModelShape, hw: Hardware, context: int, batch: int, dtype_bytes: float, ratio: float,
             draft_len: int, acc_len: Optional[float] = None, alpha: Optional[float] = None,
-            overlap: bool = True) -> dict:
+            overlap: bool = True, draft_weight_bytes: Optional[float] = None) -> dict:
     """Predicted tok/s (all requests together) of every arm, for ``batch`` requests offered
     at ``context`` tokens each; an arm holds as many of them as its device memory allows.
     Give the mean acceptance length (tokens per round, bonus included) as ``acc_len``, or a
@@ -228,8 +232,8 @@ def predict(shape: ModelShape, hw: Hardware, context: int, batch: int, dtype_byt
     if not 1 <= acc_len <= draft_len + 1:
         raise ValueError(f"acc_len {acc_len} outside [1, draft_len + 1 = {draft_len + 1}]")
     args = (shape, hw, context, batch, dtype_bytes, ratio, draft_len)
-    arms = _arm_rates(*args, acc_len, overlap)
-    ideal = _arm_rates(*args, draft_len + 1.0, overlap)
+    arms = _arm_rates(*args, acc_len, overlap, draft_weight_bytes)
+    ideal = _arm_rates(*args, draft_len + 1.0, overlap, draft_weight_bytes)
     baseline = max((a for a in arms if a.startswith("full")), key=lambda a: arms[a][1])
 
     def best_vc(rates):
@@ -377,11 +381,18 @@ def cpu_report(hw: Hardware) -> dict:
             "implied_kv_read_passes": {b: s / model_slope for b, (_, s) in DESIGN_STEP_FIT.items()}}
 
 
+# bytes per parameter the draft passes read, per --vericache-draft-weights (fp32 model)
+DRAFT_WEIGHT_BYTES = {"auto": 2.0, "fp16": 2.0, "int8": 1.0, "model": None}
+
+
 def measured_report(path: Path, hw: Hardware, nominal_ratio: float) -> list[dict]:
     """Predicted against measured speedup for each row of a bench_decode JSON."""
     data = json.loads(path.read_text())
     rows = data["results"] if isinstance(data, dict) else data
     shape, out = smollm2_135m(), []
+    # the VERICACHE arm's --vericache-draft-weights (runs before it existed drafted with fp32 weights)
+    mode = (data.get("config", {}) if isinstance(data, dict) else {}).get("draft_weights", "model")
+    weight_bytes = DRAFT_WEIGHT_BYTES.get(mode)
     for row in rows:
         ratio = 1.0 if row["compressor"] == "full" else float(row.get("ratio", nominal_ratio))
         args = (shape, hw, row["context"], row["batch"], 4)
@@ -389,7 +400,7 @@ def measured_report(path: Path, hw: Hardware, nominal_ratio: float) -> list[dict
         # verify too, so a round may emit more than draft_len + 1 tokens: model the round
         # with at least as many draft steps as it emitted tokens.
         draft_len = max(row["draft_len"], math.ceil(row["mean_acc_len"]) - 1)
-        run = dict(draft_len=draft_len, acc_len=row["mean_acc_len"])
+        run = dict(draft_len=draft_len, acc_len=row["mean_acc_len"], draft_weight_bytes=weight_bytes)
         p = predict(*args, ratio, **run)["best_speedup"]
         p_built = predict(*args, 1.0 if row["compressor"] in DENSE_DRAFT else ratio, **run)["best_speedup"]
         m = row["tok_s_vc"] / row["tok_s_off"]
@@ -398,7 +409,8 @@ def measured_report(path: Path, hw: Hardware, nominal_ratio: float) -> list[dict
                    fraction_of_bound=fraction_of_bound(m, p), gain_fraction=gain_fraction(m, p))
         split = row.get("time_split")
         if split:
-            draft = row["draft_len"] * _pass_time(shape, hw, row["context"], row["batch"], 4, 1, ratio)
+            draft = row["draft_len"] * _pass_time(shape, hw, row["context"], row["batch"], 4, 1, ratio,
+                                                  weight_bytes=weight_bytes)
             verify = _pass_time(shape, hw, row["context"], row["batch"], 4, draft_len + 1)
             rec["draft_share"] = {"measured": split["draft"] / sum(split.values()),
                                   "predicted": draft / (draft + verify)}

@@ -156,3 +156,23 @@ def test_cli_paper_writes_json(tmp_path, monkeypatch, capsys):
     assert {"paper", "cpu", "commit"} <= set(result)
     assert [r["context"] for r in result["cpu"]["grid"]] == [2048, 2048, 4096, 4096, 8192, 8192]
     assert "VeriCache, full KV offloaded" in capsys.readouterr().out
+
+
+def test_cheaper_draft_weights_shorten_only_the_draft_passes():
+    """fp16 draft weights (2 bytes a parameter for an fp32 model) make a weight-bound round
+    cheaper, never the full-KV arm; the gain vanishes where the KV dominates the bytes."""
+    args = (SMOL, CPU, 2048, 4, 4, 4.0, 16)
+    fp32 = cm.vericache_round_time(*args, offloaded=False)
+    fp16 = cm.vericache_round_time(*args, offloaded=False, draft_weight_bytes=2)
+    assert fp16 < fp32
+    p32 = cm.predict(*args, acc_len=12.0)
+    p16 = cm.predict(*args, acc_len=12.0, draft_weight_bytes=2)
+    assert p16["tok_s"]["full_resident"] == p32["tok_s"]["full_resident"]
+    assert p16["best_speedup"] > p32["best_speedup"]
+    weights_only = cm.vericache_round_time(SMOL, CPU, 1, 1, 4, 4.0, 16, offloaded=False)
+    long_kv = cm.vericache_round_time(LLAMA, GPU, 131072, 32, 2, 4.0, 16, offloaded=False)
+    gain_short = weights_only / cm.vericache_round_time(SMOL, CPU, 1, 1, 4, 4.0, 16, offloaded=False,
+                                                        draft_weight_bytes=2)
+    gain_long = long_kv / cm.vericache_round_time(LLAMA, GPU, 131072, 32, 2, 4.0, 16, offloaded=False,
+                                                  draft_weight_bytes=1)
+    assert gain_short > gain_long > 1
