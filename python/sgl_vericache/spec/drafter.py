@@ -233,6 +233,8 @@ class CompressedKVStore:
 
     def release(self, rid: Hashable) -> None:
         self._entries.pop(rid, None)
+        if not self._entries:  # idle: give the draft buffers' memory back
+            self.clear()
 
     def release_all_but(self, live_rids) -> None:
         for rid in [r for r in self._entries if r not in live_rids]:
