@@ -127,6 +127,8 @@ class CompressedKVStore:
                              any(_selects_per_step(e.compressor) for e in entries))
         if self._grow(len(entries), width + steps):  # new buffers: nothing to reuse
             tails = [self._tails(b, entry, reuse=False) for b, entry in enumerate(entries)]
+        if valid is not None:
+            self._round.valid = valid.to(self._k_buf[0].device)
         for layer_id in range(self.num_layers):
             k_buf, v_buf = self._buffers(layer_id, len(entries), width + steps)
             for b, per_layer in enumerate(tails):
@@ -162,8 +164,8 @@ class CompressedKVStore:
         scale: float,
     ) -> torch.Tensor:  # [B, H_q, D]
         """One draft step of one layer: each request's query reads its compressed entry and
-        the round's draft tokens so far (its own included). Computed in fp32 when the
-        entries are lower precision; a request that sees nothing gets zeros."""
+        the round's draft tokens so far (its own included, so no row is empty). Computed in
+        fp32 when the entries are lower precision."""
         rnd = self._round
         assert rnd is not None, "attend() outside a draft round (call begin_round first)"
         step = rnd.step[layer_id]
@@ -188,7 +190,7 @@ class CompressedKVStore:
         """Padding mask AND each query-aware request's per-step key selection."""
         rnd = self._round
         num_q_heads = q.shape[1]
-        full = torch.ones(len(rnd.entries), num_q_heads, 1, end, dtype=torch.bool)
+        full = torch.ones(len(rnd.entries), num_q_heads, 1, end, dtype=torch.bool, device=q.device)
         if mask is not None:
             full &= mask
         for b, entry in enumerate(rnd.entries):
