@@ -40,6 +40,7 @@ def register_all() -> None:
     _register_spec_algorithm()
     _install_seeded_sampling()
     _install_cpu_hicache()
+    _install_cpu_extend_attention()
     _register_radix_cache_backend()
     _install_tier_checksums()
     _install_draft_weights()
@@ -608,6 +609,36 @@ def _seeded_per_row_sampling() -> None:
 
 
 # --- SGLang's hierarchical cache (HiCache) on a CPU device pool --------------------------
+
+
+def _install_cpu_extend_attention() -> None:
+    """``torch_native`` extends (prefills) compute only the new tokens' rows
+    (``cpu_attention.extend_attention``) instead of a causal attention over prefix + new
+    rows of which the prefix rows are thrown away. Every engine that loads the plugin gets
+    it, speculation on or off. Encoder, cross-attention and sliding-window layers keep
+    SGLang's code."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from sgl_vericache.cpu_attention import extend_attention
+
+    original = TorchNativeAttnBackend._run_sdpa_forward_extend
+    if getattr(original, "_vericache", False):
+        return
+
+    def run_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                   extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
+                   causal=False, is_cross_attn=False, sliding_window_size=None):
+        if encoder_lens is not None or is_cross_attn or (sliding_window_size is not None and sliding_window_size > -1):
+            return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                            extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
+                            is_cross_attn, sliding_window_size)
+        return extend_attention(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                extend_prefix_lens, extend_seq_lens, scaling=scaling, enable_gqa=enable_gqa,
+                                causal=causal)
+
+    run_extend._vericache = True
+    run_extend.sglang_original = original
+    TorchNativeAttnBackend._run_sdpa_forward_extend = run_extend
 
 
 def _install_cpu_hicache() -> None:
