@@ -382,7 +382,8 @@ def cpu_report(hw: Hardware) -> dict:
 
 
 # bytes per parameter the draft passes read, per --vericache-draft-weights (fp32 model)
-DRAFT_WEIGHT_BYTES = {"auto": 2.0, "fp16": 2.0, "int8": 1.0, "model": None}
+DRAFT_WEIGHT_BYTES = {"fp16": 2.0, "int8": 1.0, "model": None}
+AUTO_FP16_MAX_BATCH = 2  # auto drafts from the fp16 copy up to this batch (spec/draft_weights.AUTO_FP16_MAX_ROWS)
 
 
 def measured_report(path: Path, hw: Hardware, nominal_ratio: float) -> list[dict]:
@@ -392,8 +393,9 @@ def measured_report(path: Path, hw: Hardware, nominal_ratio: float) -> list[dict
     shape, out = smollm2_135m(), []
     # the VERICACHE arm's --vericache-draft-weights (runs before it existed drafted with fp32 weights)
     mode = (data.get("config", {}) if isinstance(data, dict) else {}).get("draft_weights", "model")
-    weight_bytes = DRAFT_WEIGHT_BYTES.get(mode)
     for row in rows:
+        weight_bytes = DRAFT_WEIGHT_BYTES.get(mode) if mode != "auto" else (
+            DRAFT_WEIGHT_BYTES["fp16"] if row["batch"] <= AUTO_FP16_MAX_BATCH else None)
         ratio = 1.0 if row["compressor"] == "full" else float(row.get("ratio", nominal_ratio))
         args = (shape, hw, row["context"], row["batch"], 4)
         # A request's drafts are padded to the engine's verify width, and padding can

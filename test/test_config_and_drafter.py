@@ -251,10 +251,25 @@ def test_draft_weights_refuse_bad_modes_and_devices():
     assert parse_known(["--vericache-draft-weights", "int8"])[0].draft_weights == "int8"
 
 
-def test_draft_weights_auto_is_fp16_for_fp32_models_only():
-    from sgl_vericache.spec.draft_weights import resolve_mode
+def test_draft_weights_auto_is_fp16_for_small_products_of_fp32_models_only():
+    from sgl_vericache.spec.draft_weights import AUTO_FP16_MAX_ROWS, DraftWeights, resolve_mode
 
     assert VeriCacheConfig().draft_weights == "auto"
-    assert resolve_mode("auto", torch.float32) == "fp16"
-    assert resolve_mode("auto", torch.bfloat16) == "model"
-    assert resolve_mode("int8", torch.bfloat16) == "int8"
+    assert resolve_mode("auto", torch.float32) == ("fp16", AUTO_FP16_MAX_ROWS)
+    assert resolve_mode("auto", torch.bfloat16) == ("model", None)
+    assert resolve_mode("int8", torch.bfloat16) == ("int8", None)
+    assert resolve_mode("fp16", torch.float32) == ("fp16", None)
+    # above max_rows the product goes to the engine's own weight path, exactly
+    calls = []
+
+    def model_linear(x, w, b=None):
+        calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, w, b)
+
+    dw = DraftWeights("fp16", max_rows=2, model_linear=model_linear)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 8, generator=g)
+    small, big = torch.randn(2, 8, generator=g), torch.randn(3, 8, generator=g)
+    assert not torch.equal(dw.linear(small, w), torch.nn.functional.linear(small, w))  # the fp16 copy
+    assert torch.equal(dw.linear(big, w), torch.nn.functional.linear(big, w)) and calls == [3]
+    assert torch.equal(dw.linear(big[None], w), torch.nn.functional.linear(big[None], w)) and calls == [3, 1]

@@ -44,11 +44,14 @@ def register_all() -> None:
     _register_radix_cache_backend()
     _install_tier_checksums()
     _install_draft_weights()
+    _install_weight_update_hook()
     from sgl_vericache.config import VeriCacheConfig
 
-    vc = VeriCacheConfig.from_env()
-    if vc is not None and vc.deterministic:
+    vc = VeriCacheConfig.from_env() or VeriCacheConfig()
+    if vc.deterministic:
         _install_row_invariant_forward()
+    else:
+        _install_cpu_linear(vc.cpu_linear)
 
 
 def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
@@ -337,11 +340,12 @@ def _build_draft_weights(mode: str, model_runner):
     """The draft passes' weight copies (None: the model's own), checked against the device."""
     from sgl_vericache.spec.draft_weights import DraftWeights, resolve_mode
 
-    mode = resolve_mode(mode, model_runner.model_config.dtype)
-    logger.info("VeriCache draft weights: %s", mode)
+    mode, max_rows = resolve_mode(mode, model_runner.model_config.dtype)
+    logger.info("VeriCache draft weights: %s%s", mode, "" if max_rows is None else f" up to {max_rows} rows per product")
     if mode == "model":
         return None
-    weights = DraftWeights(mode)
+    model_linear = _PACKED_LINEAR.linear if _PACKED_LINEAR is not None else None
+    weights = DraftWeights(mode, max_rows, model_linear) if model_linear else DraftWeights(mode, max_rows)
     weights.check_device(model_runner.device)
     return weights
 
@@ -1048,13 +1052,54 @@ def _install_row_invariant_forward() -> None:
 # --- reduced-precision weights for the draft passes --------------------------------------
 
 _DRAFT_WEIGHTS = None  # the worker's DraftWeights while it runs draft passes, else None
+_PACKED_LINEAR = None  # cpu_linear.PackedLinear serving the engine's fp32 CPU weight products, or None
+
+
+def _install_cpu_linear(mode: str) -> None:
+    """``--vericache-cpu-linear``: route the engine's dense fp32 CPU weight products (SGLang's
+    unquantized linear layers and its plain lm_head product) through prepacked oneDNN
+    weights. Applies to every forward, speculation on or off (``draft_apply`` below)."""
+    global _PACKED_LINEAR
+    from sgl_vericache.cpu_linear import PackedLinear, packed_linear_available
+
+    if mode == "torch" or (mode == "auto" and not packed_linear_available()):
+        _PACKED_LINEAR = None
+        return
+    if _PACKED_LINEAR is None:
+        _PACKED_LINEAR = PackedLinear()  # mode packed without oneDNN raises, naming the way out
+
+
+def _install_weight_update_hook() -> None:
+    """Weight copies we make (draft fp16/int8 copies, packed weights) are rebuilt after
+    SGLang updates the model's weights in place (update_weights_from_disk / _tensor / ...)."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    from sgl_vericache.cpu_linear import weights_updated
+
+    for name in dir(WeightUpdater):
+        method = getattr(WeightUpdater, name)
+        if not (name.startswith(("update_weights", "load_weights", "receive_weights")) or name == "end_weight_update"):
+            continue
+        if not callable(method) or getattr(method, "_vericache", False):
+            continue
+
+        def hooked(self, *args, _method=method, **kwargs):
+            try:
+                return _method(self, *args, **kwargs)
+            finally:
+                weights_updated()
+
+        hooked._vericache = True
+        hooked.__name__ = name
+        setattr(WeightUpdater, name, hooked)
 
 
 def _install_draft_weights() -> None:
     """While a VERICACHE worker drafts with ``--vericache-draft-weights fp16|int8``, SGLang's
     unquantized linear layers and its lm_head product use ``DraftWeights.linear`` (a cheaper
     copy of the same weights); every other forward (prefill, decode, verify) is untouched."""
-    from sglang.srt.layers.logits_processor import LogitsProcessor
+    import torch
+    from sglang.srt.layers.logits_processor import LogitsProcessor, should_apply_lm_head_quant_method
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     if getattr(UnquantizedLinearMethod.apply, "_vericache", False):
@@ -1062,16 +1107,24 @@ def _install_draft_weights() -> None:
     apply, lm_head = UnquantizedLinearMethod.apply, LogitsProcessor._compute_lm_head
 
     def draft_apply(self, layer, x, bias=None):
-        if _DRAFT_WEIGHTS is None:
-            return apply(self, layer, x, bias)
-        return _DRAFT_WEIGHTS.linear(x, layer.weight, bias)
+        if _DRAFT_WEIGHTS is not None:
+            return _DRAFT_WEIGHTS.linear(x, layer.weight, bias)
+        if (_PACKED_LINEAR is not None and not getattr(layer, "use_intel_amx_backend", False)
+                and type(layer.weight.data) is torch.Tensor and _PACKED_LINEAR.serves(x, layer.weight, bias)):
+            return _PACKED_LINEAR.linear(x, layer.weight, bias)
+        return apply(self, layer, x, bias)
 
     def draft_lm_head(self, hidden_states, head, embedding_bias=None, **kwargs):
-        plain = getattr(head, "quant_method", None) is None or type(head.quant_method).__name__.startswith("Unquant")
-        if _DRAFT_WEIGHTS is None or not plain or hasattr(head, "set_lora") or not hasattr(head, "weight"):
-            return lm_head(self, hidden_states, head, embedding_bias, **kwargs)
-        logits = _DRAFT_WEIGHTS.linear(hidden_states, head.weight)
-        return logits if embedding_bias is None else logits + embedding_bias
+        plain = (not hasattr(head, "set_lora") and hasattr(head, "weight")
+                 and not should_apply_lm_head_quant_method(head, getattr(head, "quant_method", None)))
+        if _DRAFT_WEIGHTS is not None and plain:
+            logits = _DRAFT_WEIGHTS.linear(hidden_states, head.weight)
+            return logits if embedding_bias is None else logits + embedding_bias
+        if (_PACKED_LINEAR is not None and plain and not self.use_fp32_lm_head
+                and not getattr(head, "use_intel_amx_backend", False) and self.rl_on_policy_target is None
+                and _PACKED_LINEAR.serves(hidden_states, head.weight)):
+            return _PACKED_LINEAR.linear(hidden_states, head.weight)  # SGLang's plain branch: matmul, no bias
+        return lm_head(self, hidden_states, head, embedding_bias, **kwargs)
 
     draft_apply._vericache = draft_lm_head._vericache = True
     UnquantizedLinearMethod.apply = draft_apply

@@ -9,8 +9,12 @@ under greedy and seeded sampling, distribution-exact under rejection sampling, w
 the draft's own distribution), only the acceptance rate can move.
 
 Modes (``--vericache-draft-weights``):
-  auto    fp16 when the model runs in fp32, else model (the default)
-  model   the model's weights as they are (no copy)
+  auto    for an fp32 model: the fp16 copy for products of at most AUTO_FP16_MAX_ROWS rows
+          (a draft batch of 1-2 requests) and the model's own weights above, where the fp16
+          kernel on a CPU without native fp16 loses (benchmark/bench_cpu_linear.py: fp16 2.7x
+          F.linear at 1 row, even with oneDNN-packed fp32 at 4, 0.78x at 8, 0.22x at 68);
+          for any other model: model (the default)
+  model   the model's weights as they are (no copy), through the engine's own weight path
   fp16    an fp16 copy; products in fp16, results cast back (half the bytes of fp32)
   int8    per-output-channel symmetric int8 copy, activations quantized per call
           (PyTorch's dynamic-quantized linear, fbgemm/x86 engine; a quarter of the bytes)
@@ -20,31 +24,43 @@ Copies are made on first use, one per weight tensor, and kept for the process's 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from sgl_vericache.cpu_linear import weights_generation
 
 DRAFT_WEIGHT_MODES = ("model", "fp16", "int8")
 _INT8_ENGINES = ("x86", "fbgemm")
 
 
-def resolve_mode(mode: str, model_dtype: torch.dtype) -> str:
-    """``auto``: fp16 for an fp32 model (measured on CPU: the same acceptance as fp32
-    weights, ~25% less time per round at 2k context x batch 4), else the model's own."""
+AUTO_FP16_MAX_ROWS = 2  # auto drafts with the fp16 copy up to this many rows per product
+
+
+def resolve_mode(mode: str, model_dtype: torch.dtype) -> tuple[str, Optional[int]]:
+    """(mode, max_rows): ``auto`` is fp16 up to AUTO_FP16_MAX_ROWS rows for an fp32 model
+    (measured on CPU: the same acceptance as fp32 weights), else the model's own; an
+    explicit mode applies to every product (max_rows None)."""
     if mode != "auto":
-        return mode
-    return "fp16" if model_dtype == torch.float32 else "model"
+        return mode, None
+    return ("fp16", AUTO_FP16_MAX_ROWS) if model_dtype == torch.float32 else ("model", None)
 
 
 class DraftWeights:
-    def __init__(self, mode: str):
+    """``max_rows``: products with more rows use ``model_linear`` (the engine's own weight
+    product, e.g. ``cpu_linear.PackedLinear.linear``) instead of the copy."""
+
+    def __init__(self, mode: str, max_rows: Optional[int] = None, model_linear: Callable = F.linear):
         if mode not in DRAFT_WEIGHT_MODES:
             raise ValueError(f"draft weights {mode!r} is not one of {', '.join(DRAFT_WEIGHT_MODES)} "
                              "(resolve 'auto' with resolve_mode first)")
         self.mode = mode
+        self.max_rows = max_rows
+        self.model_linear = model_linear
         self._copies: dict[int, tuple[torch.Tensor, object]] = {}  # id(weight) -> (weight, copy)
         self.copied_bytes = 0
+        self._generation = weights_generation()
 
     def check_device(self, device: torch.device) -> None:
         """Refuse a mode this device cannot run, naming what would work."""
@@ -59,8 +75,9 @@ class DraftWeights:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x @ weight.T + bias with this mode's copy of ``weight`` ([out, in]); x [..., in]."""
-        if self.mode == "model" or weight.dim() != 2:
-            return F.linear(x, weight, bias)
+        if (self.mode == "model" or weight.dim() != 2
+                or (self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1])):
+            return self.model_linear(x, weight, bias)
         copy = self._copy(weight, bias)
         if self.mode == "fp16":
             w16, b16 = copy
@@ -69,6 +86,10 @@ class DraftWeights:
         return torch.ops.quantized.linear_dynamic(x.float(), copy, True).to(x.dtype)
 
     def _copy(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        if self._generation != weights_generation():  # the model's weights were updated in place
+            self._copies.clear()
+            self.copied_bytes = 0
+            self._generation = weights_generation()
         hit = self._copies.get(id(weight))
         if hit is not None and hit[0] is weight:
             return hit[1]
