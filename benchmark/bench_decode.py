@@ -63,7 +63,7 @@ class DecodeConfig:
     max_new_tokens: int = 64
     repeats: int = 3
     ratio: float = 4.0
-    draft_weights: str = "auto"  # --vericache-draft-weights of the VERICACHE arm (auto: fp16 for this fp32 model)
+    draft_weights: str = "auto"  # --vericache-draft-weights of the VERICACHE arm (auto: fp16 copy at batch <= 2 of an fp32 model)
     out: str = "benchmark/results/decode.json"
 
 
@@ -421,7 +421,7 @@ def parse_args():
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--draft-weights", default=None, choices=("auto", "model", "fp16", "int8"),
-                   help="the VERICACHE arm's --vericache-draft-weights (default auto: fp16 for an fp32 model)")
+                   help="the VERICACHE arm's --vericache-draft-weights (default auto: the fp16 copy up to 2 rows per product for an fp32 model)")
     p.add_argument("--replot", action="store_true", help="only redraw the PNG and table from an existing --out JSON")
     a = p.parse_args()
     cfg = PRESETS["quick" if a.quick else "full"]
