@@ -35,6 +35,31 @@ def weights_generation() -> int:
     return _generation
 
 
+class WeightCopies:
+    """Per-weight copies made from the model's weights (packed, fp16, int8), one per
+    weight tensor, made on first use and all dropped when the weights are updated in place."""
+
+    def __init__(self):
+        self._copies: dict[int, tuple[torch.Tensor, object]] = {}  # id(weight) -> (weight, copy)
+        self.nbytes = 0
+        self._generation = weights_generation()
+
+    def get(self, weight: torch.Tensor, make, nbytes: int):
+        """The copy of ``weight``, made with ``make()`` (accounted as ``nbytes``) when missing."""
+        if self._generation != weights_generation():
+            self._copies.clear()
+            self.nbytes = 0
+            self._generation = weights_generation()
+        hit = self._copies.get(id(weight))
+        if hit is not None and hit[0] is weight:
+            return hit[1]
+        with torch.no_grad():
+            copy = make()
+        self._copies[id(weight)] = (weight, copy)
+        self.nbytes += nbytes
+        return copy
+
+
 def packed_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -47,9 +72,7 @@ class PackedLinear:
         if not packed_linear_available():
             raise ValueError("--vericache-cpu-linear packed needs PyTorch built with oneDNN (mkldnn); "
                              "this build lacks it: use --vericache-cpu-linear torch")
-        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, packed)
-        self.packed_bytes = 0
-        self._generation = weights_generation()
+        self._packed = WeightCopies()
 
     @staticmethod
     def serves(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
@@ -67,16 +90,10 @@ class PackedLinear:
         out = torch.ops.mkldnn._linear_pointwise(rows, self._pack(weight), bias, "none", [], "")
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
+    @property
+    def packed_bytes(self) -> int:
+        return self._packed.nbytes
+
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
-        if self._generation != weights_generation():  # weights updated in place: repack
-            self._packed.clear()
-            self.packed_bytes = 0
-            self._generation = weights_generation()
-        hit = self._packed.get(id(weight))
-        if hit is not None and hit[0] is weight:
-            return hit[1]
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-        self._packed[id(weight)] = (weight, packed)
-        self.packed_bytes += weight.numel() * weight.element_size()
-        return packed
+        return self._packed.get(weight, lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()),
+                                weight.numel() * weight.element_size())

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from sgl_vericache.cpu_linear import weights_generation
+from sgl_vericache.cpu_linear import WeightCopies
 
 DRAFT_WEIGHT_MODES = ("model", "fp16", "int8")
 _INT8_ENGINES = ("x86", "fbgemm")
@@ -58,9 +58,7 @@ class DraftWeights:
         self.mode = mode
         self.max_rows = max_rows
         self.model_linear = model_linear
-        self._copies: dict[int, tuple[torch.Tensor, object]] = {}  # id(weight) -> (weight, copy)
-        self.copied_bytes = 0
-        self._generation = weights_generation()
+        self._copies = WeightCopies()
 
     def check_device(self, device: torch.device) -> None:
         """Refuse a mode this device cannot run, naming what would work."""
@@ -85,23 +83,18 @@ class DraftWeights:
         # int8: fbgemm takes fp32 activations and quantizes them itself
         return torch.ops.quantized.linear_dynamic(x.float(), copy, True).to(x.dtype)
 
+    @property
+    def copied_bytes(self) -> int:
+        return self._copies.nbytes
+
     def _copy(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-        if self._generation != weights_generation():  # the model's weights were updated in place
-            self._copies.clear()
-            self.copied_bytes = 0
-            self._generation = weights_generation()
-        hit = self._copies.get(id(weight))
-        if hit is not None and hit[0] is weight:
-            return hit[1]
-        with torch.no_grad():
-            if self.mode == "fp16":
-                copy = (weight.detach().to(torch.float16), None if bias is None else bias.detach().to(torch.float16))
-                self.copied_bytes += weight.numel() * 2
-            else:
-                copy = _int8_packed(weight.detach().float(), None if bias is None else bias.detach().float())
-                self.copied_bytes += weight.numel()
-        self._copies[id(weight)] = (weight, copy)
-        return copy
+        if self.mode == "fp16":
+            return self._copies.get(weight, lambda: (weight.detach().to(torch.float16),
+                                                     None if bias is None else bias.detach().to(torch.float16)),
+                                    weight.numel() * 2)
+        return self._copies.get(weight, lambda: _int8_packed(weight.detach().float(),
+                                                             None if bias is None else bias.detach().float()),
+                                weight.numel())
 
 
 def _int8_packed(weight: torch.Tensor, bias: Optional[torch.Tensor]):
