@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct on CPU, fp32, greedy. Two offline engines, each in a child process
 of its own (``bench_spec.EngineProc``), alive for the whole run and started with the same
 flags (CPU, torch_native attention, radix cache on, ``enable_metrics``) except that arm B
-adds ``speculative_algorithm=VERICACHE`` (verify width = largest draft length + 1). Each
+adds ``speculative_algorithm=VERICACHE`` (its draft length cap = the largest benchmarked). Each
 request picks its compressor (ratio 4) and draft length through ``custom_params``.
 
 Per (context, batch): a warm-up puts the batch's prompts into both engines' radix caches

@@ -1,7 +1,7 @@
 """VERICACHE speculative decoding against speculation off, in one process, on SGLang.
 
 Two offline engines live side by side (SmolLM2-135M-Instruct by default, CPU, fp32,
-greedy): one with speculation off and one VERICACHE engine whose verify width is the
+greedy): one with speculation off and one VERICACHE engine whose draft length cap is the
 largest draft length benchmarked; each request picks its compressor (at ratio 4) and its
 draft length through ``custom_params``. Per compressor the off arm runs once over the
 prompts and then the VERICACHE arm once per draft length, so every tok/s ratio compares
@@ -19,7 +19,8 @@ Per (compressor, draft_len), from SGLang's per-request ``meta_info``:
                    from the last round, so it sits a little above or below mean_acc_len.
   acc_rate         accepted drafts / drafted tokens, drafted = draft_len per round. The
                    engine pads a request's draft past its own draft_len with its last draft
-                   token up to the verify width; padding that happens to verify is counted
+                   token up to the round's verify width (the longest draft in the batch + 1);
+                   padding that happens to verify is counted
                    in pad_accepted, not in acc_rate. (SGLang's own ``spec_accept_rate``
                    divides by the engine's width, not the request's draft_len.)
   identical        outputs whose token ids equal the off arm's (with the first divergent index

@@ -206,7 +206,44 @@ def _build_worker_class():
             self.draft_weights = _build_draft_weights(self.vc.draft_weights, self.model_runner)
             _install_verify_sampler()
 
+        def alloc_memory_pool(self, **kwargs):
+            super().alloc_memory_pool(**kwargs)
+            # NGRAM sizes its verify buffers for one fixed width; keep one set per width
+            # so that a round verifies only as many tokens as its longest draft needs.
+            self.max_width = self.draft_token_num
+            before = dict(vars(self))
+            self._init_preallocated_tensors()
+            names = [k for k, v in vars(self).items() if before.get(k) is not v]
+            self._width_buffers = {self.max_width: {k: getattr(self, k) for k in names}}
+
+        def _set_width(self, width):
+            """Verify ``width`` tokens per request this round (root + drafts)."""
+            buffers = self._width_buffers.get(width)
+            if buffers is None:
+                names = list(self._width_buffers[self.max_width])
+                self.draft_token_num = width
+                self._init_preallocated_tensors()
+                buffers = self._width_buffers[width] = {k: getattr(self, k) for k in names}
+            for name, value in buffers.items():
+                setattr(self, name, value)
+            self.draft_token_num = self.speculative_num_draft_tokens = width
+
+        def _round_width(self, batch):
+            return min(self.max_width, 1 + max(draft_len for _, draft_len in map(self._plan, batch.reqs)))
+
         def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+            is_round = batch.forward_mode.is_decode()
+            width = self._round_width(batch) if is_round else self.max_width
+            self._set_width(width)
+            try:
+                result = self._forward(batch, on_publish, pp_proxy_tensors)
+            finally:
+                self._set_width(self.max_width)
+            if width != self.max_width and result.next_draft_input is not None:
+                _widen_draft_input(result.next_draft_input, len(batch.reqs), width, self.max_width)
+            return result
+
+        def _forward(self, batch, on_publish, pp_proxy_tensors):
             # SGLang's CPU attention (torch_native) has no TARGET_VERIFY path: run the
             # whole iteration with a backend that adds one and delegates the rest.
             if self._verify_backend is None:
@@ -384,10 +421,24 @@ def _capture_queries(backend, q, layer, forward_batch):
         start += n
 
 
+def _widen_draft_input(info, bs: int, width: int, max_width: int) -> None:
+    """A round verified at ``width`` < the server's: the result's next-round input keeps
+    SGLang's fixed row stride (``max_width``), which batch filtering and merging assume;
+    the result's own output tokens stay at the round's stride, as the result says."""
+    import torch
+
+    tokens = info.accept_tokens.reshape(bs, width)
+    padded = torch.zeros((bs, max_width), dtype=tokens.dtype, device=tokens.device)
+    padded[:, :width] = tokens
+    info.accept_tokens = padded.flatten()
+    info.draft_token_num = info.num_tokens_per_req = info.num_tokens_for_logprob_per_req = max_width
+
+
 def _pad_drafts(drafts: np.ndarray, draft_lens: list[int], width: int) -> np.ndarray:
     """[bs, steps] drafts -> [bs, width]: a request's tokens past its own draft length
     repeat its last real draft token. Padding is verified like any draft token, so it
-    can never change the output; it only fills the fixed verify width."""
+    can never change the output; it only fills the round's verify width (the batch's
+    longest draft + 1)."""
     bs = drafts.shape[0]
     out = np.empty((bs, width), dtype=np.int64)
     for i, draft_len in enumerate(draft_lens):
