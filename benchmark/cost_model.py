@@ -101,6 +101,14 @@ class Hardware:
     # (our drafter runs its draft passes inside the iteration)
     iteration_overhead_s: float = 0.0
     kv_read_passes: float = 1.0  # times each KV byte crosses memory per pass (gather + copy: ~3)
+    # Bytes/s at which the engine's full-KV attention consumes KV (None: mem_bw /
+    # kv_read_passes, a kernel that reads the paged cache in place). SGLang's CPU path
+    # (torch_native) copies each request's KV rows out of the pool and runs SDPA over a
+    # strided view of the copy, per request and layer: calibrate() measures it.
+    full_kv_bw: Optional[float] = None
+    draft_kv_bw: Optional[float] = None  # the draft's read of the compressed entry (None: mem_bw)
+    # seconds per request and layer on the full-KV attention path (a Python loop on the CPU)
+    attn_call_overhead_s: float = 0.0
 
 
 def h100_nvl_x2() -> Hardware:
@@ -134,14 +142,21 @@ def expected_acceptance_length(alpha: float, draft_len: int) -> float:
 
 
 def _pass_time(shape, hw, context, batch, dtype_bytes, n_tokens, kv_ratio=1.0,
-               link_bytes=0.0, overlap=True, weight_bytes=None) -> float:
-    """One forward pass of n_tokens per request for batch requests; ``weight_bytes`` per
-    parameter read (default dtype_bytes: a draft with --vericache-draft-weights fp16 reads 2)."""
-    kv_read = batch * context * shape.kv_bytes_per_token(dtype_bytes) / kv_ratio * hw.kv_read_passes
-    kv_write = batch * n_tokens * shape.kv_bytes_per_token(dtype_bytes)
-    mem_bytes = shape.read_params() * (dtype_bytes if weight_bytes is None else weight_bytes) + kv_read + kv_write
-    flops = batch * (2 * shape.read_params() * n_tokens + shape.attention_flops(context, n_tokens))
-    compute = max(mem_bytes / hw.mem_bw, flops / hw.flops)
+               link_bytes=0.0, overlap=True, weight_bytes=None, draft=False) -> float:
+    """One forward pass of n_tokens per request for batch requests, its operations run one
+    after another (as an eager engine launches them): the weight products at their roofline
+    (weights read once, ``weight_bytes`` per parameter, default dtype_bytes: a draft with
+    --vericache-draft-weights fp16 reads 2), then attention at its own (the KV at the rate
+    of its path: the draft's compressed entry or the full-KV path), then the new KV written."""
+    weights = shape.read_params() * (dtype_bytes if weight_bytes is None else weight_bytes)
+    linear = max(weights / hw.mem_bw, batch * 2 * shape.read_params() * n_tokens / hw.flops)
+    kv_read = batch * context * shape.kv_bytes_per_token(dtype_bytes) / kv_ratio
+    kv_bw = (hw.draft_kv_bw or hw.mem_bw) if draft else (hw.full_kv_bw or hw.mem_bw / hw.kv_read_passes)
+    attention = max(kv_read / kv_bw, batch * shape.attention_flops(context / kv_ratio, n_tokens) / hw.flops)
+    if not draft:
+        attention += batch * shape.layers * hw.attn_call_overhead_s
+    kv_write = batch * n_tokens * shape.kv_bytes_per_token(dtype_bytes) / hw.mem_bw
+    compute = linear + attention + kv_write
     link = 0.0
     if link_bytes:
         if hw.host_link_bw is None:
@@ -168,7 +183,8 @@ def vericache_round_time(shape: ModelShape, hw: Hardware, context: int, batch: i
     batch drafts (the paper's staggering), so the round costs max(compute, transfer).
     The context is taken as fixed over the round (draft_len << context). The draft passes
     read ``draft_weight_bytes`` per parameter (default: the model's dtype_bytes)."""
-    draft = draft_len * _pass_time(shape, hw, context, batch, dtype_bytes, 1, ratio, weight_bytes=draft_weight_bytes)
+    draft = draft_len * _pass_time(shape, hw, context, batch, dtype_bytes, 1, ratio,
+                                   weight_bytes=draft_weight_bytes, draft=True)
     verify = _pass_time(shape, hw, context, batch, dtype_bytes, draft_len + 1)
     compute = draft + verify
     if offloaded:
@@ -303,6 +319,70 @@ def calibrate(repeats: int = 3, mbytes: int = 256) -> dict:
             "method": f"best of {repeats}: x.sum() over {mbytes} MB fp32; y.copy_(x); fp32 {n}^3 matmul"}
 
 
+def calibrate_attention(shape: Optional[ModelShape] = None, context: int = 8192, batch: int = 4,
+                        ratio: float = 4.0, verify_tokens: int = 17, repeats: int = 5) -> dict:
+    """The attention paths' rates on this CPU for one layer of ``shape`` (default SmolLM2:
+    9 query heads, 3 KV heads, head dim 64), fp32, best of ``repeats``:
+      full_kv_bw       SGLang's torch_native decode for one request: copy its K and V rows
+                       out of the pool (slots in order), SDPA of one query over the copy;
+                       bytes = K + V of ``context`` tokens.
+      verify_kv_bw     our verify attention (sglang_adapter._verify_attention): the same
+                       copy, then ``verify_tokens`` queries under a boolean mask.
+      draft_kv_bw      our drafter (spec/drafter.py): one SDPA for ``batch`` requests over
+                       a contiguous buffer of context / ratio tokens each, sliced as it is.
+      attn_call_overhead_s  the decode path's time at 16 tokens: its cost per call.
+    ~1 s."""
+    import torch
+    import torch.nn.functional as F
+
+    shape = shape or smollm2_135m()
+    hq, hkv, d = shape.heads, shape.kv_heads, shape.head_dim
+    k_pool, v_pool = torch.randn(context + 64, hkv, d), torch.randn(context + 64, hkv, d)
+    kv_bytes = 2 * hkv * d * 4  # one token's K + V in one layer, fp32
+
+    def best(fn):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def decode(n_ctx):
+        slots = torch.arange(32, 32 + n_ctx)
+        q = torch.randn(hq, 1, d)
+        return lambda: F.scaled_dot_product_attention(
+            q.unsqueeze(0), k_pool[slots].movedim(0, 1).unsqueeze(0), v_pool[slots].movedim(0, 1).unsqueeze(0),
+            enable_gqa=True)
+
+    slots = torch.arange(32, 32 + context + verify_tokens)
+    qv = torch.randn(hq, verify_tokens, d)
+    visible = torch.ones(verify_tokens, context + verify_tokens, dtype=torch.bool)
+    visible[:, context:] = torch.tril(visible[:, context:])
+
+    def verify():
+        return F.scaled_dot_product_attention(qv, k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1),
+                                              attn_mask=visible, enable_gqa=True)
+
+    width = int(context / ratio)
+    k_buf, v_buf = torch.randn(batch, hkv, width + 32, d), torch.randn(batch, hkv, width + 32, d)
+    qd = torch.randn(batch, hq, 1, d)
+
+    def draft():
+        return F.scaled_dot_product_attention(qd, k_buf[:, :, :width], v_buf[:, :, :width], enable_gqa=True)
+
+    overhead = best(decode(16))
+    return {
+        "full_kv_bw": context * kv_bytes / (best(decode(context)) - overhead),
+        "verify_kv_bw": context * kv_bytes / (best(verify) - overhead),
+        "draft_kv_bw": batch * width * kv_bytes / best(draft),
+        "attn_call_overhead_s": overhead,
+        "method": f"one layer of {shape.name}, fp32, best of {repeats}: torch_native decode at {context} and 16 "
+                  f"tokens; verify of {verify_tokens} queries; draft of {batch} x {width} tokens",
+    }
+
+
 # ---------------------------------------------------------------- reports
 
 PAPER = {"source": "arXiv 2605.17613 as summarised in DESIGN.md: long-context decoding, Llama-70B "
@@ -386,38 +466,59 @@ DRAFT_WEIGHT_BYTES = {"fp16": 2.0, "int8": 1.0, "model": None}
 AUTO_FP16_MAX_BATCH = 2  # auto drafts from the fp16 copy up to this batch (spec/draft_weights.AUTO_FP16_MAX_ROWS)
 
 
-def measured_report(path: Path, hw: Hardware, nominal_ratio: float) -> list[dict]:
-    """Predicted against measured speedup for each row of a bench_decode JSON."""
+def _draft_weight_bytes(mode: str, batch: int) -> Optional[float]:
+    if mode == "auto":
+        return DRAFT_WEIGHT_BYTES["fp16"] if batch <= AUTO_FP16_MAX_BATCH else None
+    return DRAFT_WEIGHT_BYTES.get(mode)
+
+
+def fit_step_overhead(rows: list[dict], hw: Hardware) -> float:
+    """The per-forward-pass overhead (s) that makes the model's full-KV step time match the
+    measured speculation-off arm (step = batch / tok/s) in the least-squares sense, >= 0.
+    Fitted on the baseline only: the VeriCache arm stays a prediction."""
+    shape = smollm2_135m()
+    gaps = [row["batch"] / row["tok_s_off"] - full_kv_step_time(shape, hw, row["context"], row["batch"], 4)
+            for row in rows]
+    return max(0.0, sum(gaps) / len(gaps)) if gaps else 0.0
+
+
+def measured_report(path: Path, hw: Hardware, nominal_ratio: float, fit_overhead: bool = False) -> dict:
+    """Predicted against measured speedup and tok/s for each row of a bench_decode JSON.
+    ``fit_overhead``: first fit the hardware's per-pass overhead to the off arm."""
     data = json.loads(path.read_text())
     rows = data["results"] if isinstance(data, dict) else data
     shape, out = smollm2_135m(), []
+    fitted = fit_step_overhead(rows, hw) if fit_overhead else 0.0
+    hw = replace(hw, step_overhead_s=hw.step_overhead_s + fitted)
     # the VERICACHE arm's --vericache-draft-weights (runs before it existed drafted with fp32 weights)
     mode = (data.get("config", {}) if isinstance(data, dict) else {}).get("draft_weights", "model")
     for row in rows:
-        weight_bytes = DRAFT_WEIGHT_BYTES.get(mode) if mode != "auto" else (
-            DRAFT_WEIGHT_BYTES["fp16"] if row["batch"] <= AUTO_FP16_MAX_BATCH else None)
+        weight_bytes = _draft_weight_bytes(mode, row["batch"])
         ratio = 1.0 if row["compressor"] == "full" else float(row.get("ratio", nominal_ratio))
         args = (shape, hw, row["context"], row["batch"], 4)
-        # A request's drafts are padded to the engine's verify width, and padding can
+        # A request's drafts are padded to the round's verify width, and padding can
         # verify too, so a round may emit more than draft_len + 1 tokens: model the round
         # with at least as many draft steps as it emitted tokens.
         draft_len = max(row["draft_len"], math.ceil(row["mean_acc_len"]) - 1)
         run = dict(draft_len=draft_len, acc_len=row["mean_acc_len"], draft_weight_bytes=weight_bytes)
-        p = predict(*args, ratio, **run)["best_speedup"]
+        pred = predict(*args, ratio, **run)
+        p = pred["best_speedup"]
         p_built = predict(*args, 1.0 if row["compressor"] in DENSE_DRAFT else ratio, **run)["best_speedup"]
         m = row["tok_s_vc"] / row["tok_s_off"]
         rec = {k: row[k] for k in ("context", "batch", "compressor", "draft_len", "mean_acc_len")}
         rec.update(measured_speedup=m, predicted_speedup=p, predicted_speedup_as_built=p_built,
-                   fraction_of_bound=fraction_of_bound(m, p), gain_fraction=gain_fraction(m, p))
+                   fraction_of_bound=fraction_of_bound(m, p), gain_fraction=gain_fraction(m, p),
+                   tok_s_off={"measured": row["tok_s_off"], "predicted": pred["tok_s"]["full_resident"]},
+                   tok_s_vc={"measured": row["tok_s_vc"], "predicted": pred["tok_s"]["vericache_resident"]})
         split = row.get("time_split")
         if split:
             draft = row["draft_len"] * _pass_time(shape, hw, row["context"], row["batch"], 4, 1, ratio,
-                                                  weight_bytes=weight_bytes)
+                                                  weight_bytes=weight_bytes, draft=True)
             verify = _pass_time(shape, hw, row["context"], row["batch"], 4, draft_len + 1)
             rec["draft_share"] = {"measured": split["draft"] / sum(split.values()),
                                   "predicted": draft / (draft + verify)}
         out.append(rec)
-    return out
+    return {"fitted_step_overhead_s": fitted if fit_overhead else None, "hardware": asdict(hw), "rows": out}
 
 
 def _provenance() -> dict:
@@ -458,34 +559,58 @@ def main() -> None:
     ap.add_argument("--cpu-flops", type=float, help="CPU fp32 FLOP/s (instead of --calibrate)")
     ap.add_argument("--cpu-iteration-overhead", type=float, default=0.0,
                     help="engine seconds per scheduler iteration on the CPU (default 0: pure roofline)")
+    ap.add_argument("--cpu-full-kv-bw", type=float,
+                    help="bytes/s of the engine's full-KV attention path (default: measured with --calibrate, "
+                         "else the read bandwidth)")
+    ap.add_argument("--cpu-draft-kv-bw", type=float, help="bytes/s of the draft's attention (default as above)")
+    ap.add_argument("--cpu-attn-call-overhead", type=float,
+                    help="seconds per request and layer of the full-KV attention path (default as above, else 0)")
+    ap.add_argument("--fit-overhead", action="store_true",
+                    help="with --measured: fit a per-forward-pass overhead to the speculation-off arm first")
     ap.add_argument("--measured", type=Path, help="a bench_decode.py JSON: predicted vs measured per row")
     ap.add_argument("--ratio", type=float, default=4.0, help="compression ratio of measured rows without one")
     ap.add_argument("--out", type=Path, help="write the JSON here")
     args = ap.parse_args()
     if not (args.paper or args.calibrate or args.measured or args.cpu_mem_bw):
         ap.error("nothing to do: give --paper, --calibrate, --cpu-mem-bw/--cpu-flops or --measured")
+    if args.fit_overhead and not args.measured:
+        ap.error("--fit-overhead needs --measured (the off arm it is fitted to)")
     result: dict = {"generated": time.strftime("%Y-%m-%d %H:%M:%S"), **_provenance()}
     if args.paper:
         result["paper"] = paper_report()
         _print_paper(result["paper"])
     hw = None
+    attention = {}
+    if args.calibrate:
+        result["attention_calibration"] = attention = calibrate_attention()
+        print(f"attention: full-KV path {attention['full_kv_bw'] / GB:.2f} GB/s (verify "
+              f"{attention['verify_kv_bw'] / GB:.2f}), draft {attention['draft_kv_bw'] / GB:.2f} GB/s, "
+              f"{attention['attn_call_overhead_s'] * 1e6:.0f} us a call")
+    paths = dict(full_kv_bw=args.cpu_full_kv_bw or attention.get("full_kv_bw"),
+                 draft_kv_bw=args.cpu_draft_kv_bw or attention.get("draft_kv_bw"),
+                 attn_call_overhead_s=args.cpu_attn_call_overhead or attention.get("attn_call_overhead_s", 0.0),
+                 iteration_overhead_s=args.cpu_iteration_overhead)
     if args.cpu_mem_bw and args.cpu_flops:
-        hw = cpu_this_machine(args.cpu_mem_bw, args.cpu_flops, iteration_overhead_s=args.cpu_iteration_overhead)
+        hw = cpu_this_machine(args.cpu_mem_bw, args.cpu_flops, **paths)
     elif args.calibrate or args.measured:
         result["calibration"] = calibrate()
         c = result["calibration"]
         print(f"calibrated: read {c['mem_bw'] / GB:.2f} GB/s, fp32 matmul {c['flops'] / 1e9:.1f} GFLOP/s,"
               f" {c['threads']} threads")
-        hw = cpu_this_machine(c["mem_bw"], c["flops"], iteration_overhead_s=args.cpu_iteration_overhead)
+        hw = cpu_this_machine(c["mem_bw"], c["flops"], **paths)
     if hw is not None:
         result["cpu"] = cpu_report(hw)
         _print_cpu(result["cpu"])
     if args.measured:
-        result["measured"] = measured_report(args.measured, hw, args.ratio)
-        for r in result["measured"]:
+        result["measured"] = rep = measured_report(args.measured, hw, args.ratio, args.fit_overhead)
+        if args.fit_overhead:
+            print(f"fitted to the off arm: {rep['fitted_step_overhead_s'] * 1e3:.1f} ms a forward pass")
+        for r in rep["rows"]:
             print(f"  {r['compressor']:<12} ctx {r['context']:5d} batch {r['batch']} draft {r['draft_len']}: measured"
                   f" {r['measured_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x"
-                  f" (as built {r['predicted_speedup_as_built']:.2f}x), fraction {r['fraction_of_bound']:.2f}")
+                  f" (as built {r['predicted_speedup_as_built']:.2f}x), fraction {r['fraction_of_bound']:.2f};"
+                  f" tok/s off {r['tok_s_off']['measured']:.2f} (model {r['tok_s_off']['predicted']:.2f}),"
+                  f" VeriCache {r['tok_s_vc']['measured']:.2f} (model {r['tok_s_vc']['predicted']:.2f})")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

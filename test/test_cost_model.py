@@ -136,7 +136,7 @@ def test_measured_report(tmp_path):
             for c in ("kivi4", "streamingllm")]
     path = tmp_path / "decode.json"
     path.write_text(json.dumps({"results": rows}))
-    kivi, stream = cm.measured_report(path, CPU, nominal_ratio=4.0)
+    kivi, stream = cm.measured_report(path, CPU, nominal_ratio=4.0)["rows"]
     p = cm.predict(SMOL, CPU, 8192, 4, 4, 4.0, 30, acc_len=17.0)["best_speedup"]
     assert kivi["predicted_speedup"] == pytest.approx(p)
     assert kivi["fraction_of_bound"] == pytest.approx(0.8 / p)
@@ -176,3 +176,39 @@ def test_cheaper_draft_weights_shorten_only_the_draft_passes():
     gain_long = long_kv / cm.vericache_round_time(LLAMA, GPU, 131072, 32, 2, 4.0, 16, offloaded=False,
                                                   draft_weight_bytes=1)
     assert gain_short > gain_long > 1
+
+
+def test_cpu_attention_paths_price_each_pass():
+    """A slow full-KV path (the CPU engine's gather + strided SDPA) slows the off arm and
+    VeriCache's verify, never the draft passes; the per-call overhead counts per request
+    and layer on the full-KV path only."""
+    slow = replace(CPU, full_kv_bw=CPU.mem_bw / 10)
+    base_step = cm.full_kv_step_time(SMOL, CPU, 8192, 4, 4)
+    assert cm.full_kv_step_time(SMOL, slow, 8192, 4, 4) > 3 * base_step
+    draft = cm._pass_time(SMOL, CPU, 8192, 4, 4, 1, 4.0, draft=True)
+    assert cm._pass_time(SMOL, slow, 8192, 4, 4, 1, 4.0, draft=True) == draft
+    calls = replace(CPU, attn_call_overhead_s=1e-4)
+    assert cm.full_kv_step_time(SMOL, calls, 8192, 4, 4) == pytest.approx(base_step + 4 * SMOL.layers * 1e-4)
+    assert cm._pass_time(SMOL, calls, 8192, 4, 4, 1, 4.0, draft=True) == draft
+    # a slower full-KV path leaves more for VeriCache to win: its drafts skip it
+    assert cm.predict(SMOL, slow, 8192, 4, 4, 4.0, 16, acc_len=13)["best_speedup"] > \
+        cm.predict(SMOL, CPU, 8192, 4, 4, 4.0, 16, acc_len=13)["best_speedup"]
+
+
+def test_fitted_overhead_recovers_a_known_one(tmp_path):
+    """Rows whose off arm runs at the model's step time plus 40 ms give back 40 ms, and
+    the fitted model then predicts that off arm exactly."""
+    rows = []
+    for context in (2048, 8192):
+        for batch in (1, 4):
+            step = cm.full_kv_step_time(SMOL, CPU, context, batch, 4) + 0.040
+            rows.append({"context": context, "batch": batch, "compressor": "streamingllm", "draft_len": 16,
+                         "mean_acc_len": 12.0, "tok_s_vc": 2 * batch / step, "tok_s_off": batch / step})
+    assert cm.fit_step_overhead(rows, CPU) == pytest.approx(0.040)
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps({"results": rows}))
+    rep = cm.measured_report(path, CPU, 4.0, fit_overhead=True)
+    assert rep["fitted_step_overhead_s"] == pytest.approx(0.040)
+    for r in rep["rows"]:
+        assert r["tok_s_off"]["predicted"] == pytest.approx(r["tok_s_off"]["measured"])
+    assert cm.measured_report(path, CPU, 4.0)["fitted_step_overhead_s"] is None
