@@ -106,6 +106,7 @@ class Hardware:
     # (torch_native) copies each request's KV rows out of the pool and runs SDPA over a
     # strided view of the copy, per request and layer: calibrate() measures it.
     full_kv_bw: Optional[float] = None
+    verify_kv_bw: Optional[float] = None  # the same for passes of several tokens (None: full_kv_bw)
     draft_kv_bw: Optional[float] = None  # the draft's read of the compressed entry (None: mem_bw)
     # seconds per request and layer on the full-KV attention path (a Python loop on the CPU)
     attn_call_overhead_s: float = 0.0
@@ -151,7 +152,12 @@ def _pass_time(shape, hw, context, batch, dtype_bytes, n_tokens, kv_ratio=1.0,
     weights = shape.read_params() * (dtype_bytes if weight_bytes is None else weight_bytes)
     linear = max(weights / hw.mem_bw, batch * 2 * shape.read_params() * n_tokens / hw.flops)
     kv_read = batch * context * shape.kv_bytes_per_token(dtype_bytes) / kv_ratio
-    kv_bw = (hw.draft_kv_bw or hw.mem_bw) if draft else (hw.full_kv_bw or hw.mem_bw / hw.kv_read_passes)
+    if draft:
+        kv_bw = hw.draft_kv_bw or hw.mem_bw
+    else:
+        kv_bw = hw.full_kv_bw or hw.mem_bw / hw.kv_read_passes
+        if n_tokens > 1 and hw.verify_kv_bw:
+            kv_bw = hw.verify_kv_bw
     attention = max(kv_read / kv_bw, batch * shape.attention_flops(context / kv_ratio, n_tokens) / hw.flops)
     if not draft:
         attention += batch * shape.layers * hw.attn_call_overhead_s
@@ -562,6 +568,8 @@ def main() -> None:
     ap.add_argument("--cpu-full-kv-bw", type=float,
                     help="bytes/s of the engine's full-KV attention path (default: measured with --calibrate, "
                          "else the read bandwidth)")
+    ap.add_argument("--cpu-verify-kv-bw", type=float,
+                    help="bytes/s of the verify pass's full-KV attention (default as above, else --cpu-full-kv-bw)")
     ap.add_argument("--cpu-draft-kv-bw", type=float, help="bytes/s of the draft's attention (default as above)")
     ap.add_argument("--cpu-attn-call-overhead", type=float,
                     help="seconds per request and layer of the full-KV attention path (default as above, else 0)")
@@ -587,6 +595,7 @@ def main() -> None:
               f"{attention['verify_kv_bw'] / GB:.2f}), draft {attention['draft_kv_bw'] / GB:.2f} GB/s, "
               f"{attention['attn_call_overhead_s'] * 1e6:.0f} us a call")
     paths = dict(full_kv_bw=args.cpu_full_kv_bw or attention.get("full_kv_bw"),
+                 verify_kv_bw=args.cpu_verify_kv_bw or attention.get("verify_kv_bw"),
                  draft_kv_bw=args.cpu_draft_kv_bw or attention.get("draft_kv_bw"),
                  attn_call_overhead_s=args.cpu_attn_call_overhead or attention.get("attn_call_overhead_s", 0.0),
                  iteration_overhead_s=args.cpu_iteration_overhead)

@@ -190,6 +190,10 @@ def test_cpu_attention_paths_price_each_pass():
     calls = replace(CPU, attn_call_overhead_s=1e-4)
     assert cm.full_kv_step_time(SMOL, calls, 8192, 4, 4) == pytest.approx(base_step + 4 * SMOL.layers * 1e-4)
     assert cm._pass_time(SMOL, calls, 8192, 4, 4, 1, 4.0, draft=True) == draft
+    # the verify pass (several tokens) may run at its own rate; one-token steps keep theirs
+    slow_verify = replace(CPU, verify_kv_bw=CPU.mem_bw / 10)
+    assert cm._pass_time(SMOL, slow_verify, 8192, 4, 4, 17) > cm._pass_time(SMOL, CPU, 8192, 4, 4, 17)
+    assert cm.full_kv_step_time(SMOL, slow_verify, 8192, 4, 4) == base_step
     # a slower full-KV path leaves more for VeriCache to win: its drafts skip it
     assert cm.predict(SMOL, slow, 8192, 4, 4, 4.0, 16, acc_len=13)["best_speedup"] > \
         cm.predict(SMOL, CPU, 8192, 4, 4, 4.0, 16, acc_len=13)["best_speedup"]
