@@ -298,23 +298,28 @@ def gain_fraction(measured_speedup: float, predicted_speedup: float) -> Optional
 # ---------------------------------------------------------------- calibration
 
 
+def _best_seconds(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` timed calls of ``fn``, after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def calibrate(repeats: int = 3, mbytes: int = 256) -> dict:
     """This CPU's read bandwidth (a sum over ``mbytes`` MB of fp32, far past the caches) and
     fp32 matmul rate (2048^3), best of ``repeats``, with torch's default threads. A few s."""
     import torch
 
-    def best(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     nbytes = mbytes * 2**20
     x = torch.full((nbytes // 4,), 1.0)
     y = torch.empty_like(x)
+    def best(fn):
+        return _best_seconds(fn, repeats)
+
     read_s, copy_s = best(lambda: x.sum()), best(lambda: y.copy_(x))
     del x, y
     n = 2048
@@ -347,13 +352,7 @@ def calibrate_attention(shape: Optional[ModelShape] = None, context: int = 8192,
     kv_bytes = 2 * hkv * d * 4  # one token's K + V in one layer, fp32
 
     def best(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return _best_seconds(fn, repeats)
 
     def decode(n_ctx):
         slots = torch.arange(32, 32 + n_ctx)
