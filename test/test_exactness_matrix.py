@@ -16,6 +16,13 @@ fingerprint and stored there too. Any change to ``python/sgl_vericache`` or the 
 starts the matrix afresh. Progress goes to the terminal (``-s``). The test fails if any
 output differs from the reference; the report names the prompt, the configuration, the
 first divergent index and the reference's top-2 logprob margin there.
+
+Shards: ``VERICACHE_MATRIX_SHARD=k/n`` runs only the configurations whose index (in the
+fixed order draft length, batch, compressor) is k mod n, each shard with its own results
+file and its own reference. On this 2-core machine two shards with ``OMP_NUM_THREADS=1``
+each finish ~1.25x sooner than one run on both cores. ``python test/test_exactness_matrix.py
+FILE...`` prints the table of one or more results files (and says which configurations
+are missing).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +47,30 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_NEW_TOKENS = 256
 BATCHES = [4, 1]  # batch 4 first: it is faster
 RESULTS = Path(os.environ.get("VERICACHE_MATRIX_RESULTS", ROOT / "benchmark" / "results" / "exactness_matrix.json"))
+
+
+def all_configs() -> list[tuple[str, int, int]]:
+    """Every (compressor, draft_len, batch) of the matrix, in the order it runs."""
+    return [(c, d, b) for d in DRAFT_LENS for b in BATCHES for c in COMPRESSORS]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"k/n"`` -> (k, n) with 0 <= k < n; anything else is refused with the accepted form."""
+    try:
+        k, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise ValueError(f"VERICACHE_MATRIX_SHARD={text!r}: expected k/n with integers 0 <= k < n, e.g. 0/2") from None
+    if not (n >= 1 and 0 <= k < n):
+        raise ValueError(f"VERICACHE_MATRIX_SHARD={text!r}: expected k/n with 0 <= k < n and n >= 1, e.g. 0/2")
+    return k, n
+
+
+def shard_configs(shard: str | None) -> list[tuple[str, int, int]]:
+    configs = all_configs()
+    if not shard:
+        return configs
+    k, n = parse_shard(shard)
+    return [c for i, c in enumerate(configs) if i % n == k]
 
 
 def fingerprint() -> str:
@@ -110,6 +142,7 @@ def test_full_matrix(default_model_path, capsys):
     prompts = prompt_set(8)
     assert len(prompts) >= 20, "the matrix needs at least 20 prompts"
     names = [name for name, _ in prompts]
+    mine = shard_configs(os.environ.get("VERICACHE_MATRIX_SHARD"))  # a bad value fails here, before any work
     ids = _input_ids(default_model_path, prompts)
     fp = fingerprint()
     data = load_results(fp)
@@ -128,16 +161,17 @@ def test_full_matrix(default_model_path, capsys):
     ref_ids, ref_top2 = data["reference"]["output_ids"], data["reference"]["top2"]
 
     done = {(r["compressor"], r["draft_len"], r["batch"]) for r in data["rows"]}
-    total = len(COMPRESSORS) * len(DRAFT_LENS) * len(BATCHES)
-    say(f"fingerprint {fp}: {len(done)}/{total} configurations done -> {RESULTS}")
+    total = len(mine)
+    say(f"fingerprint {fp}: {len(done & set(mine))}/{total} configurations done -> {RESULTS}"
+        + (f" (shard {os.environ['VERICACHE_MATRIX_SHARD']} of the matrix's {len(all_configs())})"
+           if total < len(all_configs()) else ""))
     from sgl_vericache.config import VeriCacheConfig
 
-    # One engine per draft length, its verify width = draft length + 1 (what a server started
-    # with --vericache-draft-len d runs); per-request overrides below the server's width are
-    # the CI subset's job. A width-31 engine would verify 31 tokens per request per round
-    # even for draft length 1.
+    # One engine per draft length, its verify width = draft length + 1: what a server started
+    # with --vericache-draft-len d runs; per-request overrides below the server's width are
+    # the CI subset's job.
     for draft_len in DRAFT_LENS:
-        todo = [(c, b) for b in BATCHES for c in COMPRESSORS if (c, draft_len, b) not in done]
+        todo = [(c, b) for c, d, b in mine if d == draft_len and (c, d, b) not in done]
         if not todo:
             continue
         VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=draft_len).to_env()
@@ -168,4 +202,29 @@ def test_full_matrix(default_model_path, capsys):
                 f"reference top-2 logprob margin there {d['top2_margin']}"
                 for r in data["rows"] for d in r["divergent"]]
     assert not failures, "\n".join(failures)
-    assert len(data["rows"]) == total
+    assert set(mine) <= {(r["compressor"], r["draft_len"], r["batch"]) for r in data["rows"]}
+
+
+def merged_report(paths) -> str:
+    """The table over several results files (shards), with the configurations none has."""
+    rows, prints = [], set()
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        prints.add(data["fingerprint"])
+        rows += data["rows"]
+    got = {(r["compressor"], r["draft_len"], r["batch"]) for r in rows}
+    missing = [c for c in all_configs() if c not in got]
+    n_prompts = sum(r["prompts"] for r in rows)
+    n_same = sum(r["identical"] for r in rows)
+    lines = [table(rows), "",
+             f"{len(got)}/{len(all_configs())} configurations, {n_same}/{n_prompts} outputs identical; "
+             f"fingerprints {sorted(prints)}, commits {sorted({r.get('commit') for r in rows})}"]
+    if missing:
+        lines.append("missing: " + ", ".join(f"{c} d={d} b={b}" for c, d, b in missing))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python test/test_exactness_matrix.py RESULTS.json [RESULTS.json ...]")
+    print(merged_report(sys.argv[1:]))
