@@ -86,6 +86,12 @@ class DecodeEngine(EngineProc):
         self.proc = ctx.Process(target=_decode_engine_main, args=(child, model_path, env, engine_kw))
         self.proc.start()
 
+    def vericache_state(self) -> dict | None:
+        """The worker's counters and gauges as ``/server_info`` reports them (no metrics
+        needed); None for an engine without VERICACHE."""
+        self.conn.send(("state",))
+        return self._reply()
+
 
 def _decode_engine_main(conn, model_path: str, env: dict, engine_kw: dict) -> None:
     import traceback
@@ -100,7 +106,13 @@ def _decode_engine_main(conn, model_path: str, env: dict, engine_kw: dict) -> No
         return
     conn.send(("ready", {"prometheus_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR")}))
     try:
-        while (msg := conn.recv())[0] == "generate":
+        while (msg := conn.recv())[0] in ("generate", "state"):
+            if msg[0] == "state":
+                try:
+                    conn.send(("ok", engine.get_server_info()["internal_states"][0].get("vericache")))
+                except Exception:
+                    conn.send(("error", traceback.format_exc()))
+                continue
             try:
                 before = read_counters()
                 t0 = time.perf_counter()

@@ -17,9 +17,13 @@ each turn runs A then B back to back.
 Per arm: decode throughput (output tokens / generate wall time, prefill included: the
 loads are part of the cost), prefix hit ratio (cached / prompt tokens) and hits per tier
 (device / host / storage) from ``meta_info.cached_tokens_details``, the bytes those hits
-moved (tokens x full-KV bytes per token), and whether B's outputs equal A's. Verify time
-stalled on loads is not measured: SGLang loads a hit prefix back before the forward that
-uses it, and VeriCache's own async tier loader is not built yet.
+moved (tokens x full-KV bytes per token), and whether B's outputs equal A's; for B also the
+tokens whose compressed KV came from VeriCache's compressed prefix cache (the previous
+turn's entry) rather than being compressed again. Verify time
+never waits for loads (a running request's full KV stays on the device; VeriCache's async tier
+loader is not built yet): SGLang loads a hit prefix back before the forward that uses it,
+and the time that takes on this CPU (``vericache:full_kv_load_seconds``) is reported as
+``full_kv_load_fraction`` of the VERICACHE arm's time.
 
     python benchmark/bench_tiers.py --quick     # 2 agents x 2 turns, 8 tokens
     python benchmark/bench_tiers.py --out benchmark/results/tiers.json
@@ -41,7 +45,8 @@ from bench_decode import DecodeEngine, filler_text  # noqa: E402
 from bench_spec import COMPRESSORS, bench_main, first_divergence, make_log, provenance  # noqa: E402
 
 TIERS = ("device", "host", "storage")
-STALL_NOTE = "not measured: loads finish before the forward that uses them; no async tier loader yet"
+STALL_NOTE = ("verify never waits for loads: a running request's full KV stays on the device (no async tier "
+              "loader yet); the wait is before prefill, reported as full_kv_load_fraction")
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,7 @@ def run(cfg: TiersConfig, model_path: str, save) -> dict:
                     params = {"max_new_tokens": cfg.max_new_tokens, "temperature": 0}
                     row = {"agent": agent, "turn": turn, "prompt_tokens": len(ids)}
                     for arm, engine in (("off", off), ("vericache", spec)):
+                        state = engine.vericache_state() if arm == "vericache" else None
                         outs, seconds, _ = engine.generate([ids], params)
                         meta = outs[0]["meta_info"]
                         details = meta.get("cached_tokens_details") or {}
@@ -136,6 +142,12 @@ def run(cfg: TiersConfig, model_path: str, save) -> dict:
                                     **{f"{t}_hit_tokens": details.get(t, 0) for t in TIERS},
                                     "output_ids": outs[0]["output_ids"],
                                     "spec_accept_length": meta.get("spec_accept_length")}
+                        if state is not None:
+                            after = engine.vericache_state()
+                            row[arm]["compressed_prefix_hit_tokens"] = int(
+                                after["compressed_prefix_hit_tokens"] - state["compressed_prefix_hit_tokens"])
+                            row[arm]["compressed_prefix_bytes"] = int(after["compressed_prefix_bytes"])
+                            row[arm]["full_kv_load_seconds"] = after["full_kv_load_seconds"] - state["full_kv_load_seconds"]
                     row["identical"] = first_divergence(row["vericache"]["output_ids"], row["off"]["output_ids"]) is None
                     chat.append({"role": "assistant",
                                  "content": tok.decode(row["off"]["output_ids"], skip_special_tokens=True)})
@@ -168,6 +180,13 @@ def summarize_arms(result: dict) -> dict:
             **{f"{t}_hit_tokens": sum(r[f"{t}_hit_tokens"] for r in rows) for t in TIERS},
             **{f"{t}_loaded_bytes": sum(r[f"{t}_hit_tokens"] for r in rows) * per_token for t in ("host", "storage")},
         }
+    reused = [r["vericache"].get("compressed_prefix_hit_tokens") for r in turns]
+    if all(x is not None for x in reused):
+        summary["vericache"]["compressed_prefix_hit_tokens"] = sum(reused)
+        summary["vericache"]["compressed_prefix_hit_ratio"] = sum(reused) / max(prompt, 1)
+        load = sum(r["vericache"]["full_kv_load_seconds"] for r in turns)
+        summary["vericache"]["full_kv_load_seconds"] = load
+        summary["vericache"]["full_kv_load_fraction"] = load / max(summary["vericache"]["seconds"], 1e-9)
     summary["speedup"] = summary["vericache"]["tok_per_s"] / max(summary["off"]["tok_per_s"], 1e-9)
     summary["identical"] = f"{sum(r['identical'] for r in turns)}/{len(turns)}"
     return summary
@@ -212,6 +231,12 @@ def summary(result: dict) -> str:
         lines.append(f"| {arm} | {a['tok_per_s']:.2f} | {a['prefix_hit_ratio']:.2f} | "
                      f"{a['device_hit_tokens']} / {a['host_hit_tokens']} / {a['storage_hit_tokens']} | "
                      f"{a['host_loaded_bytes'] / 1e6:.1f} / {a['storage_loaded_bytes'] / 1e6:.1f} |")
+    if "compressed_prefix_hit_tokens" in s["vericache"]:
+        lines.append(f"vericache: {s['vericache']['compressed_prefix_hit_tokens']} prompt tokens "
+                     f"({s['vericache']['compressed_prefix_hit_ratio']:.2f} of all) drafted from cached compressed "
+                     "prefix entries instead of compressing them again; "
+                     f"{s['vericache']['full_kv_load_seconds']:.2f} s ({100 * s['vericache']['full_kv_load_fraction']:.1f}% "
+                     "of its time) loading full KV from the host tier before prefill")
     lines.append(f"speedup {s['speedup']:.2f}x, identical {s['identical']}; verify stall: {STALL_NOTE}")
     return "\n".join(lines)
 

@@ -29,6 +29,7 @@ def test_flags_are_split_from_sglang_flags():
     (["--vericache-draft-len", "65"], "out of range; accepted: 1 to 64"),
     (["--vericache-compressor", "lz4"], "is not one of"),
     (["--vericache-compressor-options", "group_size"], "not of the form name=value"),
+    (["--vericache-compressed-cache-mb", "-1"], "compressed-cache-mb -1 is out of range; accepted: 0 to"),
 ])
 def test_bad_flags_name_the_problem(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -95,6 +96,44 @@ def test_store_syncs_incrementally_and_drafts_over_true_kv():
     assert store.cached_len("r") == 10 and reads[-1] == (1, 0, 10)
     store.release("r")
     assert "r" not in store and store.nbytes() == 0
+
+
+def test_seeded_store_reads_only_the_tokens_after_the_shared_prefix():
+    """A request seeded from a prefix entry (what the worker does on a compressed prefix
+    hit) reads and appends only the tokens after it, drafts like a request that
+    compressed everything itself ('full': the same KV either way), and never changes the
+    shared entry; bad seeds are refused."""
+    layers, k_all, v_all = 2, *_kv(40)
+    reads = []
+
+    def read_kv(layer_id, start, end):
+        reads.append((layer_id, start, end))
+        return k_all[start:end], v_all[start:end]
+
+    comp = get_compressor("full")
+    donor = CompressedKVStore(comp, num_layers=layers)
+    donor.sync("a", 30, read_kv)
+    _, shared, n = donor.entry("a")
+    assert n == 30 and len(shared) == layers
+    store = CompressedKVStore(comp, num_layers=layers)
+    store.seed("b", comp, shared, 30)
+    reads.clear()
+    store.sync("b", 36, read_kv, compressor=comp)
+    assert reads == [(0, 30, 36), (1, 30, 36)] and store.tokens_reused == 30
+    assert all(layer.num_tokens == 30 for layer in donor.entry("a")[1])  # the shared entry is unchanged
+    alone = CompressedKVStore(comp, num_layers=layers)
+    alone.sync("c", 36, read_kv)
+    q, (k_new, v_new) = torch.randn(1, 9, 16), _kv(1, seed=2)
+    outs = []
+    for st, rid in ((store, "b"), (alone, "c")):
+        st.begin_round([rid], steps=1)
+        outs.append(st.attend(0, q, k_new, v_new, 0.25))
+    torch.testing.assert_close(outs[0], outs[1])
+    with pytest.raises(ValueError, match="already has a compressed entry"):
+        store.seed("b", comp, shared, 30)
+    with pytest.raises(ValueError, match="a seed needs 2 layers of 29 tokens"):
+        store.seed("d", comp, shared, 29)
+    store.check_integrity()
 
 
 def _check_round(store, compressors, rows, steps, label):

@@ -92,6 +92,32 @@ def stop_params(tok, greedy):
     ]
 
 
+CONVERSATION_TURNS = 10
+CONVERSATION_TOKENS = 24
+
+
+def tool_turns(tok):
+    """Token ids appended after each answer of the 10-turn conversation: a tool result and
+    the next assistant turn, in SmolLM2's chat format."""
+    return [tok(f"<|im_end|>\n<|im_start|>user\nTool result {i}: status=ok, rows={7 * i + 3}. Continue."
+                f"<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+            for i in range(CONVERSATION_TURNS)]
+
+
+def conversation(engine, first_ids, turns, max_new_tokens, custom_params=None):
+    """[(input_ids, output_ids)] per turn: each turn's input is the previous input, its
+    answer and the next tool result (the speculation-off engine defines the inputs)."""
+    ids, out = list(first_ids), []
+    for suffix in turns:
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+        if custom_params:
+            params["custom_params"] = custom_params
+        got = engine.generate(input_ids=ids, sampling_params=params)["output_ids"]
+        out.append((ids, got))
+        ids = ids + got + suffix
+    return out
+
+
 def _extra_references(model_path, ids):
     from transformers import AutoTokenizer
 
@@ -102,7 +128,8 @@ def _extra_references(model_path, ids):
         stops = stop_params(tok, greedy)
         stopped = engine.generate(input_ids=ids[:4], sampling_params=stops)
         return {"seeded": [o["output_ids"] for o in seeded], "stops": stops,
-                "stopped": [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in stopped]}
+                "stopped": [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in stopped],
+                "conversation": conversation(engine, ids[2], tool_turns(tok), CONVERSATION_TOKENS)}
 
     return extra
 
@@ -233,6 +260,36 @@ def test_unseeded_sampling_runs_and_differs_across_requests(vc_engine, default_m
     assert all(len(o["output_ids"]) == 48 for o in outs)
     assert outs[0]["output_ids"] != outs[1]["output_ids"]
     assert all(o["meta_info"]["spec_accept_length"] > 1.5 for o in outs), [o["meta_info"] for o in outs]
+
+
+def _vericache_state(engine):
+    return engine.get_server_info()["internal_states"][0]["vericache"]
+
+
+def test_ten_turn_conversation_reuses_compressed_prefixes(reference, vc_engine):
+    """A 10-turn agent conversation (answer, tool result, answer, ...): every turn equals
+    speculation off, and every turn after the first starts from the compressed entry the
+    previous turn left in the prefix cache (it compresses only the new tokens)."""
+    turns = reference.extra["conversation"]
+    assert len(turns) == CONVERSATION_TURNS
+    before = _vericache_state(vc_engine)
+    failures = []
+    for i, (ids, expected) in enumerate(turns):
+        out = vc_engine.generate(input_ids=ids, sampling_params={
+            "max_new_tokens": CONVERSATION_TOKENS, "temperature": 0, "ignore_eos": True,
+            "custom_params": {"vericache_compressor": "streamingllm", "vericache_draft_len": 8}})
+        idx = first_divergence(out["output_ids"], expected)
+        if idx is not None:
+            failures.append(f"turn {i} ({len(ids)} prompt tokens): first divergent index {idx}")
+    after = _vericache_state(vc_engine)
+    assert not failures, "\n".join(failures)
+    hits = after["compressed_prefix_hits"] - before["compressed_prefix_hits"]
+    hit_tokens = after["compressed_prefix_hit_tokens"] - before["compressed_prefix_hit_tokens"]
+    # turn i+1 finds turn i's entry (its prompt and answer up to the last round): at least
+    # turn i's prompt
+    assert hits >= CONVERSATION_TURNS - 1, (before, after)
+    assert hit_tokens >= sum(len(ids) for ids, _ in turns[:-1]), (hit_tokens, before, after)
+    assert after["compressed_prefix_bytes"] > 0 and after["compressed_prefix_entries"] >= 1
 
 
 def test_bad_per_request_override_is_refused(vc_engine, default_model_path):

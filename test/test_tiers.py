@@ -324,12 +324,19 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     assert "does not match its digest (corrupt)" in err
     assert counters.get("vericache:tier_pages_corrupt", 0) >= 1, counters
     assert counters.get("vericache:tier_pages_read", 0) > 0, counters
+    # SGLang's own per-tier byte counters work on this CPU path too (device -> host backups,
+    # and host -> device loads whenever a turn hit the host tier)
+    assert counters.get("sglang:hicache_backup_bytes", 0) > 0, counters
+    if sum(d.get("host", 0) for _, d in damaged):
+        assert counters.get("sglang:load_back_bytes", 0) > 0, counters
+        assert counters.get("vericache:full_kv_load_seconds", 0) > 0, counters
     _check_identical(damaged, reference[:CONVERSATIONS])
 
 
 def _tier_counters() -> dict:
-    """The ``vericache:tier_*`` counters as the engine's /metrics would show them (SGLang's
-    Prometheus multiprocess directory, summed over processes)."""
+    """The ``vericache:tier_*`` counters and SGLang's HiCache byte counters as the engine's
+    /metrics would show them (SGLang's Prometheus multiprocess directory, summed over
+    processes and labels)."""
     from prometheus_client import CollectorRegistry, multiprocess
 
     registry = CollectorRegistry()
@@ -337,7 +344,9 @@ def _tier_counters() -> dict:
     out = {}
     for metric in registry.collect():
         for sample in metric.samples:
-            if sample.name.startswith("vericache:tier_") and sample.name.endswith("_total"):
+            if sample.name.startswith(("vericache:tier_", "vericache:full_kv_load", "sglang:hicache_backup_bytes", "sglang:load_back_bytes",
+                                       "sglang:backuped_tokens", "sglang:prefetched_tokens")) \
+                    and sample.name.endswith("_total"):
                 out[sample.name[:-len("_total")]] = out.get(sample.name[:-len("_total")], 0) + sample.value
     return out
 

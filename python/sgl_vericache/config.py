@@ -49,6 +49,11 @@ class VeriCacheConfig:
     tier_checksums: bool = _opt(
         True, "Checksum every KV page written to a HiCache storage tier (file, mooncake) and treat a page "
         "read back with other bytes as a miss, recomputed.")
+    compressed_cache_mb: int = _opt(
+        512, "Budget (MiB) for compressed KV entries kept per token prefix after their requests finish, "
+        "so that a request extending a cached prefix (the next turn of a conversation, a shared system "
+        "prompt sent again) compresses only its new tokens; LRU; 0 turns it off.", min=0, max=1 << 20,
+    )
     compressor_options: str = _opt(
         "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -45,6 +46,7 @@ def register_all() -> None:
     _install_tier_checksums()
     _install_draft_weights()
     _install_weight_update_hook()
+    _install_internal_state()
     from sgl_vericache.config import VeriCacheConfig
 
     vc = VeriCacheConfig.from_env() or VeriCacheConfig()
@@ -174,6 +176,7 @@ def _build_worker_class():
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     from sgl_vericache.config import VeriCacheConfig, request_config
+    from sgl_vericache.cpu_linear import weights_generation
 
     class VeriCacheWorker(NGRAMWorker):
         def __init__(self, server_args, gpu_id, nccl_port, target_worker, **_):
@@ -194,6 +197,9 @@ def _build_worker_class():
             self.grammar_tree_host = None
             self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
             self.store = _build_store(self.vc, self.model_runner)
+            self.prefix_cache = _build_prefix_cache(self.vc)
+            self._reqs = {}  # rid -> Req, to file its compressed entry by token ids when it departs
+            self._weights_gen = weights_generation()
             self._plans = {}  # rid -> (compressor, draft_len) for this request
             self._queries = {}  # rid -> per-layer last prompt queries, until compressed
             self._compressors = {}  # VeriCacheConfig -> compressor (shared, stateless)
@@ -205,6 +211,13 @@ def _build_worker_class():
             self.stats = _Stats(get_observability().enable_metrics)
             self.draft_weights = _build_draft_weights(self.vc.draft_weights, self.model_runner)
             _install_verify_sampler()
+            _LIVE_WORKERS.add(self)
+
+        def check_integrity(self):
+            """The compressed side: every request's entry and the prefix cache's tree."""
+            self.store.check_integrity()
+            if self.prefix_cache is not None:
+                self.prefix_cache.check_integrity()
 
         def alloc_memory_pool(self, **kwargs):
             super().alloc_memory_pool(**kwargs)
@@ -275,6 +288,7 @@ def _build_worker_class():
 
         def _release_departed(self, rids):
             for rid in rids:
+                self._file_prefix(rid)
                 self.store.release(rid)
                 self._plans.pop(rid, None)
                 self._queries.pop(rid, None)
@@ -295,8 +309,30 @@ def _build_worker_class():
                 self._plans[req.rid] = plan
             return plan
 
+        def _file_prefix(self, rid):
+            """Keep a departing request's compressed entry for requests that extend its tokens."""
+            req = self._reqs.pop(rid, None)
+            have = self.store.entry(rid)
+            if self.prefix_cache is None or req is None or have is None or self._weights_changed():
+                return
+            compressor, layers, n = have
+            self.prefix_cache.insert(_kv_tokens(req, n), compressor, layers)
+            self.stats.prefix_cache(self.prefix_cache)
+
+        def _weights_changed(self):
+            """Weights updated in place since the entries were made: they are stale."""
+            if self._weights_gen == weights_generation():
+                return False
+            self._weights_gen = weights_generation()
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            return True
+
         def clear_cache_pool(self):
             self.store.clear()
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            self._reqs.clear()
             self._prev_decode_rids = set()
 
         def _update_ngram_corpus(self, batch):
@@ -307,6 +343,11 @@ def _build_worker_class():
             n = self.draft_token_num
             verified = batch.seq_lens_cpu.tolist()
             plans = [self._plan(req) for req in batch.reqs]
+            # NGRAM reports requests that left the decode batch after this round's verify;
+            # file theirs now, so that a request extending one (the next turn) finds it.
+            departed = self._prev_decode_rids - {req.rid for req in batch.reqs}
+            if departed:
+                self._release_departed(departed)
             self._sync_store(batch, verified, plans)
             roots = [_last_token(req) for req in batch.reqs]
             steps = max(draft_len for _, draft_len in plans)
@@ -333,7 +374,20 @@ def _build_worker_class():
                 queries = None
                 if req.rid not in self.store:
                     queries = _layer_queries(self._queries.pop(req.rid, None), self.store.num_layers)
+                    self._seed_from_prefix(req, verified[i], plans[i][0])
                 self.store.sync(req.rid, verified[i], read_kv, compressor=plans[i][0], queries=queries)
+
+        def _seed_from_prefix(self, req, verified, compressor):
+            """A new request whose verified tokens start with a cached prefix takes its
+            compressed entry; sync() then compresses only the rest."""
+            self._reqs[req.rid] = req
+            if self.prefix_cache is None:
+                return
+            self._weights_changed()
+            n, layers = self.prefix_cache.match(_kv_tokens(req, verified), compressor)
+            if n:
+                self.store.seed(req.rid, compressor, layers, n)
+            self.stats.prefix_cache(self.prefix_cache)
 
         def _draft(self, batch, roots, verified, steps):
             bs = len(batch.reqs)
@@ -385,6 +439,20 @@ def _build_draft_weights(mode: str, model_runner):
     weights = DraftWeights(mode, max_rows, model_linear) if model_linear else DraftWeights(mode, max_rows)
     weights.check_device(model_runner.device)
     return weights
+
+
+def _build_prefix_cache(vc: "VeriCacheConfig"):
+    from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
+
+    return CompressedPrefixCache(vc.compressed_cache_mb << 20) if vc.compressed_cache_mb > 0 else None
+
+
+def _kv_tokens(req, n: int) -> list[int]:
+    """The first ``n`` tokens of a request whose KV is in the cache (prompt, then output)."""
+    tokens = list(req.origin_input_ids[:n])
+    if len(tokens) < n:
+        tokens += list(req.output_ids[: n - len(tokens)])
+    return tokens
 
 
 def _build_store(vc: "VeriCacheConfig", model_runner):
@@ -754,6 +822,34 @@ def _install_cpu_hicache() -> None:
     cls.backup_from_device_all_layer = backup_from_device_all_layer
     cls.load_to_device_per_layer = load_to_device_per_layer
     cls._vericache_cpu = True
+    _time_full_kv_loads()
+
+
+_LIVE_WORKERS = weakref.WeakSet()  # VeriCache workers of this process, for the integrity check
+_LOAD_SECONDS = [0.0]  # scheduler-process total, read into the worker's counters each iteration
+
+
+def _time_full_kv_loads() -> None:
+    """Time HiCache's host -> device loads (``HiCacheController.start_loading``), counted as
+    ``vericache:full_kv_load_seconds``. With a CPU device pool the copy runs inside that
+    call, before the forward that needs it: the time the forward waited for full KV. On an
+    accelerator the call only queues the copy on a transfer stream (the forward then waits
+    per layer on the device), so the counter there is queueing time only."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    original = HiCacheController.start_loading
+    if getattr(original, "_vericache", False):
+        return
+
+    def start_loading(self):
+        t0 = time.perf_counter()
+        try:
+            return original(self)
+        finally:
+            _LOAD_SECONDS[0] += time.perf_counter() - t0
+
+    start_loading._vericache = True
+    HiCacheController.start_loading = start_loading
 
 
 # --- the `vericache` radix cache backend ------------------------------------------------
@@ -854,9 +950,13 @@ def _register_radix_cache_backend() -> None:
 
     def _check_tree_cache(self):
         original(self)
+        if os.environ.get(CHECK_INTEGRITY_ENV) != "1":
+            return
         check = getattr(self.tree_cache, "check_integrity", None)
-        if check is not None and os.environ.get(CHECK_INTEGRITY_ENV) == "1":
+        if check is not None:
             check()
+        for worker in list(_LIVE_WORKERS):  # this scheduler's VeriCache worker, if any
+            worker.check_integrity()
 
     _check_tree_cache._vericache = True
     checker._check_tree_cache = _check_tree_cache
@@ -1118,6 +1218,25 @@ def _install_cpu_linear(mode: str) -> None:
         return
     if _PACKED_LINEAR is None:
         _PACKED_LINEAR = PackedLinear()  # mode packed without oneDNN raises, naming the way out
+
+
+def _install_internal_state() -> None:
+    """``/server_info`` (``Engine.get_server_info()``) ``internal_states[i]["vericache"]``: the
+    worker's counters and gauges (the same numbers ``/metrics`` has with --enable-metrics)."""
+    from sglang.srt.managers.scheduler_components.internal_state import SchedulerInternalStateController
+
+    original = SchedulerInternalStateController._add_speculative
+    if getattr(original, "_vericache", False):
+        return
+
+    def _add_speculative(self, state):
+        original(self, state)
+        stats = getattr(getattr(self.scheduler, "draft_worker", None), "stats", None)
+        if isinstance(stats, _Stats):
+            state["vericache"] = {**stats.totals, **stats.gauges}
+
+    _add_speculative._vericache = True
+    SchedulerInternalStateController._add_speculative = _add_speculative
 
 
 def _install_weight_update_hook() -> None:
@@ -1387,16 +1506,30 @@ class _Stats:
         "emitted_tokens": "Tokens emitted by verify rounds (accepted + bonus)",
         "draft_seconds": "Wall time spent drafting over compressed KV",
         "verify_seconds": "Wall time of verify passes incl. acceptance and KV commit",
+        "full_kv_load_seconds": "Seconds spent loading full KV from the host tier before a forward "
+                                "(CPU device pool: the forward waits for all of it)",
+        "compressed_prefix_lookups": "New requests looked up in the compressed prefix cache",
+        "compressed_prefix_hits": "New requests that started from a cached compressed prefix entry",
+        "compressed_prefix_hit_tokens": "Verified tokens whose compressed KV came from the prefix cache",
+        "compressed_prefix_inserted": "Compressed entries filed in the prefix cache",
+        "compressed_prefix_evicted": "Compressed entries evicted from the prefix cache (LRU, byte budget)",
+    }
+    GAUGES = {
+        "compressed_prefix_bytes": "Bytes of compressed KV held by the prefix cache",
+        "compressed_prefix_entries": "Entries held by the prefix cache",
     }
 
     def __init__(self, enable_metrics: bool):
         self.totals = {name: 0.0 for name in self.NAMES}
+        self.gauges = {name: 0.0 for name in self.GAUGES}
         self._prom = {}
         if enable_metrics:
-            from prometheus_client import Counter
+            from prometheus_client import Counter, Gauge
 
             for name, doc in self.NAMES.items():
                 self._prom[name] = Counter(f"vericache:{name}", doc)
+            for name, doc in self.GAUGES.items():
+                self._prom[name] = Gauge(f"vericache:{name}", doc)
         self._pending_draft = 0.0
 
     def add(self, name, value):
@@ -1419,3 +1552,16 @@ class _Stats:
 
     def end_iteration(self):
         self._pending_draft = 0.0
+        self.add("full_kv_load_seconds", _LOAD_SECONDS[0] - self.totals["full_kv_load_seconds"])
+
+    def prefix_cache(self, cache):
+        """Bring the prefix-cache counters up to the cache's own totals."""
+        for name, total in (("compressed_prefix_lookups", cache.lookups), ("compressed_prefix_hits", cache.hits),
+                            ("compressed_prefix_hit_tokens", cache.hit_tokens),
+                            ("compressed_prefix_inserted", cache.inserted),
+                            ("compressed_prefix_evicted", cache.evicted)):
+            self.add(name, total - self.totals[name])
+        for name, value in (("compressed_prefix_bytes", cache.nbytes), ("compressed_prefix_entries", cache.num_entries)):
+            self.gauges[name] = value
+            if name in self._prom:
+                self._prom[name].set(value)

@@ -61,6 +61,7 @@ class CompressedKVStore:
         self._laid_out: list[tuple[_RequestEntry, list, int]] = []
         self.tokens_compressed = 0  # counters for metrics
         self.tokens_appended = 0
+        self.tokens_reused = 0  # verified tokens whose compressed KV came from a shared prefix entry
 
     def __contains__(self, rid: Hashable) -> bool:
         return rid in self._entries
@@ -68,6 +69,25 @@ class CompressedKVStore:
     def cached_len(self, rid: Hashable) -> int:
         entry = self._entries.get(rid)
         return 0 if entry is None else entry.cached_len
+
+    def seed(self, rid: Hashable, compressor: KVCompressor, layers: Sequence[CompressedLayer], cached_len: int) -> None:
+        """Start a new request's entry from compressed layers it shares with others (a
+        prefix hit in ``CompressedPrefixCache``): each represents its first ``cached_len``
+        verified tokens. Entries are values, so later appends never touch the shared ones."""
+        if rid in self._entries:
+            raise ValueError(f"request {rid!r} already has a compressed entry; seed() is for new requests")
+        if len(layers) != self.num_layers or any(l.num_tokens != cached_len for l in layers):
+            raise ValueError(f"a seed needs {self.num_layers} layers of {cached_len} tokens; got "
+                             f"{[l.num_tokens for l in layers]}")
+        self._entries[rid] = _RequestEntry(compressor, list(layers), cached_len)
+        self.tokens_reused += cached_len
+
+    def entry(self, rid: Hashable) -> Optional[tuple[KVCompressor, tuple[CompressedLayer, ...], int]]:
+        """(compressor, per-layer entries, verified tokens they represent) of a request, or None."""
+        entry = self._entries.get(rid)
+        if entry is None or not entry.cached_len:
+            return None
+        return entry.compressor, tuple(entry.layers), entry.cached_len
 
     def sync(
         self,
