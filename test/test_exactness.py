@@ -104,6 +104,15 @@ def tool_turns(tok):
             for i in range(CONVERSATION_TURNS)]
 
 
+SHARED_PARAMS = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+
+def shared_prefix_prompts(tok, ids):
+    """Three prompts that share one long prefix (a CI prompt and the start of a tool
+    result) and differ after it, like agents sharing a system prompt."""
+    return [ids[6] + suffix for suffix in tool_turns(tok)[:3]]
+
+
 def conversation(engine, first_ids, turns, max_new_tokens, custom_params=None):
     """[(input_ids, output_ids)] per turn: each turn's input is the previous input, its
     answer and the next tool result (the speculation-off engine defines the inputs)."""
@@ -129,7 +138,9 @@ def _extra_references(model_path, ids):
         stopped = engine.generate(input_ids=ids[:4], sampling_params=stops)
         return {"seeded": [o["output_ids"] for o in seeded], "stops": stops,
                 "stopped": [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in stopped],
-                "conversation": conversation(engine, ids[2], tool_turns(tok), CONVERSATION_TOKENS)}
+                "conversation": conversation(engine, ids[2], tool_turns(tok), CONVERSATION_TOKENS),
+                "shared": [(p, engine.generate(input_ids=p, sampling_params=SHARED_PARAMS)["output_ids"])
+                           for p in shared_prefix_prompts(tok, ids)]}
 
     return extra
 
@@ -290,6 +301,30 @@ def test_ten_turn_conversation_reuses_compressed_prefixes(reference, vc_engine):
     assert hits >= CONVERSATION_TURNS - 1, (before, after)
     assert hit_tokens >= sum(len(ids) for ids, _ in turns[:-1]), (hit_tokens, before, after)
     assert after["compressed_prefix_bytes"] > 0 and after["compressed_prefix_entries"] >= 1
+
+
+def test_requests_sharing_a_prefix_reuse_its_compressed_entry(reference, vc_engine):
+    """Requests that share a prefix SGLang's radix tree already holds (one after another,
+    as agents sharing a system prompt arrive): the compressed entry is filed at the shared
+    prefix, the later request starts from it, and every output equals speculation off."""
+    before = _vericache_state(vc_engine)
+    for i, (ids, expected) in enumerate(reference.extra["shared"]):
+        out = vc_engine.generate(input_ids=ids, sampling_params={
+            **SHARED_PARAMS, "custom_params": {"vericache_compressor": "kivi2", "vericache_draft_len": 8}})
+        idx = first_divergence(out["output_ids"], expected)
+        assert idx is None, f"shared-prefix request {i}: first divergent index {idx}"
+    after = _vericache_state(vc_engine)
+    hits = after["compressed_prefix_hits"] - before["compressed_prefix_hits"]
+    hit_tokens = after["compressed_prefix_hit_tokens"] - before["compressed_prefix_hit_tokens"]
+    # the third request at least starts from the entry the second filed at the shared prefix
+    assert hits >= 1 and hit_tokens >= _common_prefix_len([p for p, _ in reference.extra["shared"]]), (before, after)
+
+
+def _common_prefix_len(prompts):
+    n = 0
+    while all(len(p) > n and p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
 
 
 def test_bad_per_request_override_is_refused(vc_engine, default_model_path):

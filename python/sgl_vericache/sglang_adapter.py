@@ -374,19 +374,28 @@ def _build_worker_class():
                 queries = None
                 if req.rid not in self.store:
                     queries = _layer_queries(self._queries.pop(req.rid, None), self.store.num_layers)
-                    self._seed_from_prefix(req, verified[i], plans[i][0])
+                    self._seed_from_prefix(req, verified[i], plans[i][0], read_kv)
                 self.store.sync(req.rid, verified[i], read_kv, compressor=plans[i][0], queries=queries)
 
-        def _seed_from_prefix(self, req, verified, compressor):
+        def _seed_from_prefix(self, req, verified, compressor, read_kv):
             """A new request whose verified tokens start with a cached prefix takes its
-            compressed entry; sync() then compresses only the rest."""
+            compressed entry; sync() then compresses only the rest. Where SGLang's radix
+            tree gave the request a longer shared prefix (a system prompt other requests
+            also start with), the entry is first brought to that prefix and filed there,
+            so later requests sharing it start from it (not for methods that choose keys
+            from the prompt's last queries: a prefix has no queries of its own here)."""
             self._reqs[req.rid] = req
             if self.prefix_cache is None:
                 return
             self._weights_changed()
-            n, layers = self.prefix_cache.match(_kv_tokens(req, verified), compressor)
+            tokens = _kv_tokens(req, verified)
+            n, layers = self.prefix_cache.match(tokens, compressor)
             if n:
                 self.store.seed(req.rid, compressor, layers, n)
+            shared = min(getattr(req, "cached_tokens", 0) or 0, verified)
+            if shared > n and not compressor.needs_queries:
+                self.store.sync(req.rid, shared, read_kv, compressor=compressor)
+                self.prefix_cache.insert(tokens[:shared], compressor, self.store.entry(req.rid)[1])
             self.stats.prefix_cache(self.prefix_cache)
 
         def _draft(self, batch, roots, verified, steps):
