@@ -153,14 +153,25 @@ def reference(default_model_path):
     return reference_outputs(default_model_path, ids, 128, _extra_references(default_model_path, ids))
 
 
+PREEMPT_INTERVAL = 7  # forward passes between the preemptions SGLang's test hook forces
+
+
 @pytest.fixture(scope="module")
 def vc_engine(default_model_path):
+    """The VERICACHE engine every test here runs on, under preemption: SGLang's own test
+    hook (``SGLANG_TEST_RETRACT``) retracts a decoding request every ``PREEMPT_INTERVAL``
+    forward passes whenever two or more decode together, so requests leave the batch
+    mid-answer and resume (their KV kept in the radix tree, their compressed entry in the
+    prefix cache). The reference engine never preempts: outputs must not depend on it."""
     from sgl_vericache.config import VeriCacheConfig
 
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=MAX_DRAFT_LEN).to_env()
-    engine = _engine(default_model_path, speculative_algorithm="VERICACHE",
-                     speculative_num_draft_tokens=MAX_DRAFT_LEN + 1,
-                     speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
+    with pytest.MonkeyPatch.context() as env:  # read once, when the scheduler starts
+        env.setenv("SGLANG_TEST_RETRACT", "1")
+        env.setenv("SGLANG_TEST_RETRACT_INTERVAL", str(PREEMPT_INTERVAL))
+        engine = _engine(default_model_path, speculative_algorithm="VERICACHE",
+                         speculative_num_draft_tokens=MAX_DRAFT_LEN + 1,
+                         speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
     yield engine
     engine.shutdown()
 
@@ -215,6 +226,17 @@ def test_every_compressor_and_draft_len_batch4(reference, vc_engine, default_mod
     outs = run_configs(vc_engine, ids, configs, 128, batch=4)
     accept = check_identical(prompts, configs, outs, ref, batch=4, top2=ref.top2)
     print("mean acceptance length per request:", accept)
+
+
+def test_preempted_requests_resume_from_their_kept_kv(vc_engine):
+    """The batch-4 run above was preempted again and again (and stayed identical): each
+    preempted request left its KV in the tree (``--vericache-keep-preempted-kv``, on by
+    default) and, resumed, started from its compressed entry instead of compressing again."""
+    state = vc_engine.get_server_info()["internal_states"][0]
+    kept, vc = state["vericache_preempted"], state["vericache"]
+    print("preempted:", kept, "compressed prefix hits:", vc["compressed_prefix_hits"])
+    assert kept["requests"] >= 4 and kept["kept_tokens"] > 0, kept
+    assert vc["compressed_prefix_hits"] >= 4 and vc["compressed_prefix_hit_tokens"] > 0, vc
 
 
 def test_batch1_and_full_compressor(reference, vc_engine, default_model_path):

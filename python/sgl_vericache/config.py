@@ -54,6 +54,11 @@ class VeriCacheConfig:
         "so that a request extending a cached prefix (the next turn of a conversation, a shared system "
         "prompt sent again) compresses only its new tokens; LRU; 0 turns it off.", min=0, max=1 << 20,
     )
+    keep_preempted_kv: bool = _opt(
+        True, "A request preempted under memory pressure (SGLang retracts it) leaves its KV (prompt and "
+        "every verified token) in the radix tree, so it resumes from its cached tokens, or from HiCache's "
+        "host tier once evicted, instead of recomputing them; its compressed entry is kept as well. For "
+        "every engine, speculation on or off; off = SGLang's behaviour (recompute).")
     compressor_options: str = _opt(
         "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
     )

@@ -50,6 +50,8 @@ def register_all() -> None:
     from sgl_vericache.config import VeriCacheConfig
 
     vc = VeriCacheConfig.from_env() or VeriCacheConfig()
+    if vc.keep_preempted_kv:
+        _install_keep_preempted_kv()
     if vc.deterministic:
         _install_row_invariant_forward()
     else:
@@ -861,6 +863,47 @@ def _time_full_kv_loads() -> None:
     HiCacheController.start_loading = start_loading
 
 
+_PREEMPTED = [0, 0]  # [requests, tokens] a preempted request left in the radix tree (this process)
+
+
+def _install_keep_preempted_kv() -> None:
+    """Preempted requests keep their KV in the radix tree.
+
+    When SGLang retracts a decoding request under memory pressure (or preempts it for a
+    higher priority), it frees the request's KV without inserting it (``release_req``:
+    "for preempted requests, we may want to insert into the tree"), so the request,
+    requeued, recomputes its prompt and every token it had generated. Here the request's
+    committed KV (prompt + verified tokens, never a draft's) is first inserted into the
+    tree, as a finishing request's is; the tree then owns it unlocked, so the eviction
+    that follows still frees what the batch needs (LRU: older prefixes go first), and with
+    HiCache the tree's write-through has a host copy to load back. On resume the request
+    matches its own tokens. Not for PD decode workers (SGLang offloads those itself),
+    requests whose KV is skipped or never inserted (``skip_radix_cache_insert``, sessions),
+    mamba trees, or callers that pass ``offload_kv=False`` (aborts, recompute paths)."""
+    from sglang.srt.managers import schedule_batch
+    from sglang.srt.runtime_context import get_disagg
+
+    original = schedule_batch.release_req
+    if getattr(original, "_vericache", False):
+        return
+
+    def release_req(*, req, tree_cache, hisparse_coordinator=None, offload_kv=True, **kwargs):
+        if (offload_kv and not req.finished() and req.kv.holds_kv and hisparse_coordinator is None
+                and get_disagg().disaggregation_mode != "decode" and tree_cache is not None
+                and tree_cache.supports_prefix_sharing() and not tree_cache.supports_mamba()
+                and not req.skip_radix_cache_insert and getattr(req, "session_id", None) is None):
+            before = req.kv.cache_protected_len
+            req.refresh_fill_ids()
+            tree_cache.checkpoint(req, up_to=req.owned_kv_len())
+            _PREEMPTED[0] += 1
+            _PREEMPTED[1] += max(0, req.kv.cache_protected_len - before)
+        return original(req=req, tree_cache=tree_cache, hisparse_coordinator=hisparse_coordinator,
+                        offload_kv=offload_kv, **kwargs)
+
+    release_req._vericache = True
+    schedule_batch.release_req = release_req
+
+
 # --- the `vericache` radix cache backend ------------------------------------------------
 
 RADIX_BACKEND = "vericache"
@@ -1231,7 +1274,9 @@ def _install_cpu_linear(mode: str) -> None:
 
 def _install_internal_state() -> None:
     """``/server_info`` (``Engine.get_server_info()``) ``internal_states[i]["vericache"]``: the
-    worker's counters and gauges (the same numbers ``/metrics`` has with --enable-metrics)."""
+    worker's counters and gauges (the same numbers ``/metrics`` has with --enable-metrics);
+    ``["vericache_preempted"]``: preempted requests whose KV stayed in the tree, and the
+    tokens it newly kept (any engine)."""
     from sglang.srt.managers.scheduler_components.internal_state import SchedulerInternalStateController
 
     original = SchedulerInternalStateController._add_speculative
@@ -1243,6 +1288,8 @@ def _install_internal_state() -> None:
         stats = getattr(getattr(self.scheduler, "draft_worker", None), "stats", None)
         if isinstance(stats, _Stats):
             state["vericache"] = {**stats.totals, **stats.gauges}
+        # every engine, speculation on or off (see _install_keep_preempted_kv)
+        state["vericache_preempted"] = {"requests": _PREEMPTED[0], "kept_tokens": _PREEMPTED[1]}
 
     _add_speculative._vericache = True
     SchedulerInternalStateController._add_speculative = _add_speculative
