@@ -92,6 +92,11 @@ class DecodeEngine(EngineProc):
         self.conn.send(("state",))
         return self._reply()
 
+    def server_state(self) -> dict:
+        """``/server_info``'s ``internal_states[0]`` (any engine)."""
+        self.conn.send(("info",))
+        return self._reply()
+
 
 def _decode_engine_main(conn, model_path: str, env: dict, engine_kw: dict) -> None:
     import traceback
@@ -106,10 +111,11 @@ def _decode_engine_main(conn, model_path: str, env: dict, engine_kw: dict) -> No
         return
     conn.send(("ready", {"prometheus_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR")}))
     try:
-        while (msg := conn.recv())[0] in ("generate", "state"):
-            if msg[0] == "state":
+        while (msg := conn.recv())[0] in ("generate", "state", "info"):
+            if msg[0] in ("state", "info"):
                 try:
-                    conn.send(("ok", engine.get_server_info()["internal_states"][0].get("vericache")))
+                    state = engine.get_server_info()["internal_states"][0]
+                    conn.send(("ok", state.get("vericache") if msg[0] == "state" else state))
                 except Exception:
                     conn.send(("error", traceback.format_exc()))
                 continue

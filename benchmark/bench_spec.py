@@ -388,6 +388,38 @@ def parse_args() -> tuple[BenchConfig, str]:
     return dataclasses.replace(cfg, **overrides), a.model_path, a.replot
 
 
+def preset_args(doc: str, config_cls, presets: dict, quick_help: str, default_out: str, check=None):
+    """The CLI of a benchmark whose settings are one dataclass: ``--quick`` picks
+    ``presets["quick"]`` (else ``presets["default"]``), every field but ``mode`` / ``out`` is a
+    flag overriding the preset, numbers must be positive, ``check(parser, cfg)`` refuses the
+    rest. Returns (cfg, model_path, replot) for ``bench_main``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--out", default=None, help=f"JSON path, PNG beside it (default {default_out})")
+    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    names = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("mode", "out")]
+    for field in dataclasses.fields(config_cls):
+        if field.name in names:
+            p.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=None)
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG and table from an existing --out JSON")
+    args = p.parse_args()
+    cfg = presets["quick" if args.quick else "default"]
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    for name, value in overrides.items():
+        if isinstance(value, (int, float)) and value <= 0:
+            p.error(f"--{name.replace('_', '-')} {value} must be positive")
+    cfg = dataclasses.replace(cfg, **overrides, **({"out": args.out} if args.out else {}))
+    if check is not None:
+        check(p, cfg)
+    return cfg, args.model_path, args.replot
+
+
+def check_compressor(parser, cfg) -> None:
+    """``preset_args``' check for a config with one ``compressor``."""
+    if cfg.compressor not in COMPRESSORS:
+        parser.error(f"--compressor {cfg.compressor!r} is not one of {', '.join(COMPRESSORS)}")
+
+
 def bench_main(parse, run_fn, plot_fn, summarize) -> None:
     """The shared driver of the engine benchmarks: ``parse()`` -> (cfg with ``out``,
     model_path, replot); re-plot a saved JSON, or run and save after every point."""

@@ -31,7 +31,6 @@ and the time that takes on this CPU (``vericache:full_kv_load_seconds``) is repo
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -42,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import DecodeEngine, filler_text  # noqa: E402
-from bench_spec import COMPRESSORS, bench_main, first_divergence, make_log, provenance  # noqa: E402
+from bench_spec import bench_main, check_compressor, first_divergence, make_log, preset_args, provenance  # noqa: E402
 
 TIERS = ("device", "host", "storage")
 STALL_NOTE = ("verify never waits for loads: a running request's full KV stays on the device (no async tier "
@@ -242,25 +241,7 @@ def summary(result: dict) -> str:
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 agents x 2 turns, 8 tokens, 768-token device pool")
-    p.add_argument("--out", default=None, help="JSON path, PNG beside it (default benchmark/results/tiers.json)")
-    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    for field in dataclasses.fields(TiersConfig):
-        if field.name not in ("mode", "out"):
-            p.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=None)
-    p.add_argument("--replot", action="store_true", help="only redraw the PNG and table from an existing --out JSON")
-    args = p.parse_args()
-    cfg = PRESETS["quick" if args.quick else "default"]
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TiersConfig)
-                 if f.name not in ("mode", "out") and getattr(args, f.name) is not None}
-    for name, value in overrides.items():
-        if isinstance(value, (int, float)) and value <= 0:
-            p.error(f"--{name.replace('_', '-')} {value} must be positive")
-    if overrides.get("compressor", cfg.compressor) not in COMPRESSORS:
-        p.error(f"--compressor {overrides['compressor']!r} is not one of {', '.join(COMPRESSORS)}")
-    cfg = dataclasses.replace(cfg, **overrides, **({"out": args.out} if args.out else {}))
-    return cfg, args.model_path, args.replot
+    return preset_args(__doc__, TiersConfig, PRESETS, "2 agents x 2 turns, 8 tokens, 768-token device pool", "benchmark/results/tiers.json", check_compressor)
 
 
 def main() -> None:
