@@ -880,8 +880,8 @@ def _install_keep_preempted_kv() -> None:
     matches its own tokens. Not for PD decode workers (SGLang offloads those itself),
     requests whose KV is skipped or never inserted (``skip_radix_cache_insert``, sessions),
     mamba trees, or callers that pass ``offload_kv=False`` (aborts, recompute paths)."""
+    from sglang.srt import runtime_context
     from sglang.srt.managers import schedule_batch
-    from sglang.srt.runtime_context import get_disagg
 
     original = schedule_batch.release_req
     if getattr(original, "_vericache", False):
@@ -889,7 +889,7 @@ def _install_keep_preempted_kv() -> None:
 
     def release_req(*, req, tree_cache, hisparse_coordinator=None, offload_kv=True, **kwargs):
         if (offload_kv and not req.finished() and req.kv.holds_kv and hisparse_coordinator is None
-                and get_disagg().disaggregation_mode != "decode" and tree_cache is not None
+                and runtime_context.get_disagg().disaggregation_mode != "decode" and tree_cache is not None
                 and tree_cache.supports_prefix_sharing() and not tree_cache.supports_mamba()
                 and not req.skip_radix_cache_insert and getattr(req, "session_id", None) is None):
             before = req.kv.cache_protected_len
