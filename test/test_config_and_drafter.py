@@ -312,3 +312,20 @@ def test_draft_weights_auto_is_fp16_for_small_products_of_fp32_models_only():
     assert not torch.equal(dw.linear(small, w), torch.nn.functional.linear(small, w))  # the fp16 copy
     assert torch.equal(dw.linear(big, w), torch.nn.functional.linear(big, w)) and calls == [3]
     assert torch.equal(dw.linear(big[None], w), torch.nn.functional.linear(big[None], w)) and calls == [3, 1]
+
+
+def test_every_flag_has_a_row_in_the_readme_flag_table():
+    """The README's Flags table names every ``--vericache-*`` flag the config defines (a new
+    field without its row fails here), and nothing in it that the config lacks."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from sgl_vericache.config import _flag
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Flags"):readme.index("## Metrics")]
+    flags = {_flag(f.name) for f in dataclasses.fields(VeriCacheConfig)}
+    rows = set(re.findall(r"^\| `(--vericache-[a-z0-9-]+)", table, flags=re.M))
+    assert flags - rows == set(), f"flags without a README row: {sorted(flags - rows)}"
+    assert rows - flags == set(), f"README rows for flags that do not exist: {sorted(rows - flags)}"
