@@ -226,20 +226,31 @@ def _engine(model_path, **kw):
     return Engine(model_path=str(model_path), **ENGINE_KW, **kw)
 
 
-def _agent_trace(engine, tok, rounds=ROUNDS):
+def _agent_trace(engine, tok, rounds=ROUNDS, together=False):
     """Three conversations (a ~420-token system prompt each), ``rounds`` rounds each, taken
-    in turn: each turn's prompt is the conversation so far. Returns per turn (output ids,
-    cached_tokens_details)."""
+    in turn: each turn's prompt is the conversation so far. With ``together`` three short
+    requests follow at once (one batch, 4 x NEW_TOKENS tokens each, small enough to decode
+    together in a 1024-token device pool). Returns per turn (output ids, cached_tokens_details)."""
     convs = [[{"role": "system", "content": f"You are assistant number {c}. " + "Answer briefly. " * 130}]
              for c in range(CONVERSATIONS)]
     turns = []
+
+    def prompt(rnd, c, msgs):
+        msgs.append({"role": "user", "content": f"Round {rnd}: one fact about the number {rnd * 7 + c}."})
+        return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+
     for rnd in range(rounds):
         for c, msgs in enumerate(convs):
-            msgs.append({"role": "user", "content": f"Round {rnd}: one fact about the number {rnd * 7 + c}."})
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-            out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0})
+            out = engine.generate(input_ids=prompt(rnd, c, msgs),
+                                  sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0})
             turns.append((out["output_ids"], out["meta_info"].get("cached_tokens_details") or {}))
             msgs.append({"role": "assistant", "content": tok.decode(out["output_ids"], skip_special_tokens=True)})
+    if together:  # short requests, so that several fit the device pool and decode together
+        ids = [prompt(rounds, c, [{"role": "user", "content": f"Request {c}: list facts about {c * 11}."}])
+               for c in range(CONVERSATIONS)]
+        outs = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4 * NEW_TOKENS, "temperature": 0,
+                                                               "ignore_eos": True})
+        turns.extend((o["output_ids"], o["meta_info"].get("cached_tokens_details") or {}) for o in outs)
     return turns
 
 
@@ -253,8 +264,9 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     Mooncake as the remote tier, a host tier no larger than the device pool) has to load
     later turns' prefixes back from Mooncake. Engine D (VERICACHE) reads A's files after the
     tier went bad: every 40th page file has a bit flipped and every storage call is delayed;
-    the page digests catch the corrupt pages, which are recomputed. B's, C's and D's token
-    ids must equal A's. Every engine runs with page checksums on (the default)."""
+    the page digests catch the corrupt pages, which are recomputed. A and B end with three
+    short requests at once; B is preempted while they decode. B's, C's and
+    D's token ids must equal A's. Every engine runs with page checksums on (the default)."""
     from transformers import AutoTokenizer
 
     from sgl_vericache.config import VeriCacheConfig
@@ -265,7 +277,7 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     t0 = time.monotonic()
     engine = _engine(default_model_path, max_total_tokens=16384, **TIERS_KW, **files)
     try:
-        reference = _agent_trace(engine, tok)
+        reference = _agent_trace(engine, tok, together=True)
     finally:
         engine.shutdown()
     _report("A (reference)", reference, time.monotonic() - t0, capfd)
@@ -279,14 +291,25 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
                 radix_cache_backend="vericache")
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8).to_env()
     t0 = time.monotonic()
+    # B ends with three short requests at once, preempted by SGLang's test hook (a request
+    # retracted every 5 passes while two or more decode): preempted requests leave their KV
+    # in the tree (HiCache writes it through to the host tier) and resume from it.
+    monkeypatch.setenv("SGLANG_TEST_RETRACT", "1")
+    monkeypatch.setenv("SGLANG_TEST_RETRACT_INTERVAL", "5")
     engine = _engine(default_model_path, **TIERS_KW, **files, **spec)
+    monkeypatch.delenv("SGLANG_TEST_RETRACT")  # read when the scheduler started
     try:
-        from_files = _agent_trace(engine, tok)
+        from_files = _agent_trace(engine, tok, together=True)
+        preempted = engine.get_server_info()["internal_states"][0]["vericache_preempted"]
     finally:
         engine.shutdown()
     _report("B (file)", from_files, time.monotonic() - t0, capfd)
+    with capfd.disabled():
+        print("engine B preempted requests kept:", preempted, flush=True)
     assert sum(d.get("storage", 0) for _, d in from_files[:CONVERSATIONS]) > 0
     assert sum(d.get("host", 0) for _, d in from_files[CONVERSATIONS:]) > 0
+    assert len(from_files) == len(reference) == (ROUNDS + 1) * CONVERSATIONS
+    assert preempted["requests"] >= 1 and preempted["kept_tokens"] > 0, preempted
     _check_identical(from_files, reference)
 
     VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=8).to_env()
