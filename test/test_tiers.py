@@ -229,7 +229,7 @@ def _engine(model_path, **kw):
 def _agent_trace(engine, tok, rounds=ROUNDS, together=False):
     """Three conversations (a ~420-token system prompt each), ``rounds`` rounds each, taken
     in turn: each turn's prompt is the conversation so far. With ``together`` three short
-    requests follow at once (one batch, 4 x NEW_TOKENS tokens each, small enough to decode
+    requests follow at once (one batch, 2 x NEW_TOKENS tokens each, small enough to decode
     together in a 1024-token device pool). Returns per turn (output ids, cached_tokens_details)."""
     convs = [[{"role": "system", "content": f"You are assistant number {c}. " + "Answer briefly. " * 130}]
              for c in range(CONVERSATIONS)]
@@ -248,7 +248,7 @@ def _agent_trace(engine, tok, rounds=ROUNDS, together=False):
     if together:  # short requests, so that several fit the device pool and decode together
         ids = [prompt(rounds, c, [{"role": "user", "content": f"Request {c}: list facts about {c * 11}."}])
                for c in range(CONVERSATIONS)]
-        outs = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4 * NEW_TOKENS, "temperature": 0,
+        outs = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2 * NEW_TOKENS, "temperature": 0,
                                                                "ignore_eos": True})
         turns.extend((o["output_ids"], o["meta_info"].get("cached_tokens_details") or {}) for o in outs)
     return turns
@@ -292,10 +292,10 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8).to_env()
     t0 = time.monotonic()
     # B ends with three short requests at once, preempted by SGLang's test hook (a request
-    # retracted every 5 passes while two or more decode): preempted requests leave their KV
+    # retracted every 3 passes while two or more decode): preempted requests leave their KV
     # in the tree (HiCache writes it through to the host tier) and resume from it.
     monkeypatch.setenv("SGLANG_TEST_RETRACT", "1")
-    monkeypatch.setenv("SGLANG_TEST_RETRACT_INTERVAL", "5")
+    monkeypatch.setenv("SGLANG_TEST_RETRACT_INTERVAL", "3")
     engine = _engine(default_model_path, **TIERS_KW, **files, **spec)
     monkeypatch.delenv("SGLANG_TEST_RETRACT")  # read when the scheduler started
     try:
