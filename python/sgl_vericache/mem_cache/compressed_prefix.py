@@ -119,20 +119,17 @@ class CompressedPrefixCache:
         self.nbytes += nbytes
         self.num_entries += 1
         self.inserted += 1
-        self.evict(self.budget_bytes, keep=node.entries[key])
+        self.evict(self.budget_bytes)
         return True
 
-    def evict(self, target_bytes: int, keep: Optional[_Entry] = None) -> int:
+    def evict(self, target_bytes: int) -> int:
         """Drop least recently used entries until at most ``target_bytes`` remain; returns
-        the bytes freed. ``keep`` (the entry just inserted) goes last."""
+        the bytes freed (an entry just inserted has the newest tick: it goes last)."""
         freed = 0
         if self.nbytes <= target_bytes:
             return 0
-        victims = sorted(((e.tick, id(e), node, k) for node, k, e in self._entries() if e is not keep),
-                         key=lambda t: t[:2])
-        if keep is not None:
-            victims += [(0, 0, node, k) for node, k, e in self._entries() if e is keep]
-        for _, _, node, k in victims:
+        victims = sorted(((e.tick, node, k) for node, k, e in self._entries()), key=lambda t: t[0])
+        for _, node, k in victims:
             if self.nbytes <= target_bytes:
                 break
             entry = node.entries.pop(k)
