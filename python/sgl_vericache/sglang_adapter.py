@@ -413,13 +413,13 @@ def _build_worker_class():
             out = torch.empty((bs, steps), dtype=torch.int64)
             info = batch.sampling_info
             self._round = None if info.is_all_greedy else _SampledRound(self, batch)
-            global _DRAFT_WEIGHTS
-            _DRAFT_WEIGHTS = self.draft_weights
+            global _DRAFT_WEIGHTS, _DRAFTING
+            _DRAFT_WEIGHTS, _DRAFTING = self.draft_weights, True
             try:
                 with forward_context(ForwardContext(attn_backend=self._draft_backend), forward_batch=fb):
                     self._draft_steps(fb, tokens, base, out, steps)
             finally:
-                _DRAFT_WEIGHTS = None
+                _DRAFT_WEIGHTS, _DRAFTING = None, False
             return out.numpy()
 
         def _draft_steps(self, fb, tokens, base, out, steps):
@@ -1234,9 +1234,11 @@ def _row_invariant_mode():
 
 
 def _install_row_invariant_forward() -> None:
-    """``--vericache-deterministic``: every forward of the model runner (prefill, decode,
-    draft, verify) uses row-invariant weight products. Attention is made row-invariant
-    separately (``_verify_attention`` computes each verify row as a decode step would)."""
+    """``--vericache-deterministic``: every forward of the model runner that produces output
+    logits or committed KV (prefill, decode, verify) uses row-invariant weight products.
+    Attention is made row-invariant separately (``_verify_attention`` computes each verify
+    row as a decode step would). Draft passes run as usual: their tokens are proposals that
+    verify recomputes, so only acceptance, never output, can depend on their rounding."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     if getattr(ModelRunner.forward, "_vericache", False):
@@ -1244,6 +1246,8 @@ def _install_row_invariant_forward() -> None:
     original = ModelRunner.forward
 
     def forward(self, *args, **kwargs):
+        if _DRAFTING:
+            return original(self, *args, **kwargs)
         with _row_invariant_mode():
             return original(self, *args, **kwargs)
 
@@ -1255,6 +1259,7 @@ def _install_row_invariant_forward() -> None:
 # --- reduced-precision weights for the draft passes --------------------------------------
 
 _DRAFT_WEIGHTS = None  # the worker's DraftWeights while it runs draft passes, else None
+_DRAFTING = False  # True while the worker runs draft passes
 _PACKED_LINEAR = None  # cpu_linear.PackedLinear serving the engine's fp32 CPU weight products, or None
 
 
