@@ -3,10 +3,10 @@ engine with speculation off (greedy, fp32, SmolLM2-135M, CPU).
 
 CI subset (this file without ``slow``): one VERICACHE engine (draft length up to 30)
 serves every compressor at 4x and draft lengths 1, 4, 16 and 30 through per-request
-overrides (``custom_params``), at batch 1 and batch 4, over 8 prompts x 128 tokens; the
-speculation-off reference is computed once and reused. The full matrix (every compressor
-x draft lengths 1/4/16/30 x batch 1/4, 24 prompts x 256 tokens) is the ``slow`` test in
-``test_exactness_matrix.py``.
+overrides (``custom_params``), at batch 4 over 8 prompts x 128 tokens and at batch 1 over
+two of them x 64 tokens; the speculation-off reference is computed once and reused. The
+full matrix (every compressor x draft lengths 1/4/16/30 x batch 1/4, 24 prompts x 256
+tokens) is the ``slow`` test in ``test_exactness_matrix.py``.
 """
 
 from __future__ import annotations
@@ -240,15 +240,16 @@ def test_preempted_requests_resume_from_their_kept_kv(vc_engine):
 
 
 def test_batch1_and_full_compressor(reference, vc_engine, default_model_path):
-    """Batch 1, and the uncompressed draft ('full'), whose drafts verify almost always."""
+    """Batch 1 (two prompts x 64 tokens), and the uncompressed draft ('full'), whose drafts
+    verify almost always."""
     prompts = CI_PROMPTS
     ids = _input_ids(default_model_path, prompts)
     ref = reference
-    picks = [0, 5]
+    picks, tokens = [0, 5], 64  # greedy: the reference's first 64 tokens are its 64-token answer
     configs = [("snapkv", 16), ("full", 30)]
-    outs = run_configs(vc_engine, [ids[i] for i in picks], configs, 128, batch=1)
-    accept = check_identical([prompts[i] for i in picks], configs, outs, [ref[i] for i in picks], batch=1,
-                             top2=[ref.top2[i] for i in picks])
+    outs = run_configs(vc_engine, [ids[i] for i in picks], configs, tokens, batch=1)
+    accept = check_identical([prompts[i] for i in picks], configs, outs, [ref[i][:tokens] for i in picks], batch=1,
+                             top2=[ref.top2[i][:tokens] for i in picks])
     assert accept[1] is not None and accept[1] > 8, f"uncompressed drafts should mostly verify: {accept}"
 
 
@@ -261,7 +262,7 @@ def test_seeded_sampling_is_token_identical(reference, vc_engine, default_model_
     ids = _input_ids(default_model_path, CI_PROMPTS[:4])
     # One draft length for the batch: a round drafts as many steps as its longest request
     # asks for (draft lengths are the greedy test's job).
-    configs = [("kivi4", 8), ("h2o", 8), ("quest", 8), ("kivi2", 8)]
+    configs = [("kivi4", 4), ("h2o", 4), ("quest", 4), ("kivi2", 4)]
     params = [_with_vc(p, c, d) for p, (c, d) in zip(SEEDED, configs)]
     outs = vc_engine.generate(input_ids=ids, sampling_params=params)
     accept = check_identical(CI_PROMPTS[:4], configs, outs, reference.extra["seeded"], batch=4)
