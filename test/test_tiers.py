@@ -226,18 +226,22 @@ def _engine(model_path, **kw):
     return Engine(model_path=str(model_path), **ENGINE_KW, **kw)
 
 
-def _agent_trace(engine, tok, rounds=ROUNDS, together=False):
+def _agent_trace(engine, tok, rounds=ROUNDS, together=False, prompts=None):
     """Three conversations (a ~420-token system prompt each), ``rounds`` rounds each, taken
     in turn: each turn's prompt is the conversation so far. With ``together`` three short
     requests follow at once (one batch, 2 x NEW_TOKENS tokens each, small enough to decode
-    together in a 1024-token device pool). Returns per turn (output ids, cached_tokens_details)."""
+    together in a 1024-token device pool). Returns per turn (output ids, cached_tokens_details);
+    each turn's input ids are appended to ``prompts`` if given."""
     convs = [[{"role": "system", "content": f"You are assistant number {c}. " + "Answer briefly. " * 130}]
              for c in range(CONVERSATIONS)]
     turns = []
 
     def prompt(rnd, c, msgs):
         msgs.append({"role": "user", "content": f"Round {rnd}: one fact about the number {rnd * 7 + c}."})
-        return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if prompts is not None:
+            prompts.append(ids)
+        return ids
 
     for rnd in range(rounds):
         for c, msgs in enumerate(convs):
@@ -261,12 +265,12 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     page file gets a bit flipped, and every storage call is delayed. Engine B
     (VERICACHE, a device pool of 1024 tokens for ~1400 tokens of conversations) starts with
     an empty device and host tier: its first turns find their prefix in A's files (the page
-    digests catch the corrupt pages, which are recomputed), its later turns reload prefixes
+    digests catch the corrupt page, which is recomputed), its later turns reload prefixes
     the device had to evict from the host tier, and it is preempted while its last three
     short requests decode together. Engine C (VERICACHE, streamingllm, Mooncake as the remote
-    tier, a host tier no larger than the device pool) has to load later turns' prefixes
-    back from Mooncake. B's and C's token ids must equal A's. Every engine runs with page
-    checksums on (the default)."""
+    tier) answers the trace from its device and host tiers, then has both flushed and answers
+    the first turns again, loading their prefixes back from Mooncake. B's and C's token ids
+    must equal A's. Every engine runs with page checksums on (the default)."""
     from transformers import AutoTokenizer
 
     from sgl_vericache.config import VeriCacheConfig
@@ -335,17 +339,37 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     _check_identical(from_files, reference)
 
     VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=8).to_env()
-    mooncake = {**TIERS_KW, "hicache_ratio": 1.0, "hicache_storage_backend": "mooncake",
+    # A host tier twice the device pool: HiCache keeps a host copy of every device page, so
+    # with host == device no host room is left to prefetch into and storage hits are deferred
+    # ("host_capacity"; measured: 2238 of 2709 hit tokens deferred, most turns recomputed).
+    mooncake = {**TIERS_KW, "hicache_ratio": 2.0, "hicache_storage_backend": "mooncake",
                 "hicache_storage_backend_extra_config": json.dumps(mooncake_master.extra_config())}
     t0 = time.monotonic()
     engine = _engine(default_model_path, **mooncake, **spec)
     try:
-        from_mooncake = _agent_trace(engine, tok)
+        prompts = []
+        from_mooncake = _agent_trace(engine, tok, prompts=prompts)
+        t1 = time.monotonic()
+        _flush(engine)  # device and host tiers emptied; Mooncake keeps every page written through
+        again = [engine.generate(input_ids=ids, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0})
+                 for ids in prompts[:CONVERSATIONS]]
+        again = [(o["output_ids"], o["meta_info"].get("cached_tokens_details") or {}) for o in again]
     finally:
         engine.shutdown()
-    _report("C (mooncake)", from_mooncake, time.monotonic() - t0, capfd)
-    assert sum(d.get("storage", 0) for _, d in from_mooncake) > 0
+    _report("C (mooncake)", from_mooncake, t1 - t0, capfd)
+    _report("C after flush", again, time.monotonic() - t1, capfd)
+    assert sum(d.get("host", 0) for _, d in from_mooncake) > 0
+    assert min(d.get("storage", 0) for _, d in again) > 400, again  # each first prompt's prefix from Mooncake
     _check_identical(from_mooncake, reference)
+    _check_identical(again, reference[:CONVERSATIONS])
+
+
+def _flush(engine, timeout_s=60):
+    """``flush_cache`` once the scheduler is idle (it refuses while HiCache work is pending)."""
+    deadline = time.monotonic() + timeout_s
+    while not engine.flush_cache().success:
+        assert time.monotonic() < deadline, "flush_cache kept failing"
+        time.sleep(0.5)
 
 
 def _tier_counters() -> dict:
