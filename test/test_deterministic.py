@@ -88,3 +88,28 @@ def test_row_invariant_linear_is_bit_exact_across_row_counts():
     assert all(torch.equal(r, via_mode[0]) for r in via_mode + via_linear)
     plain = [F.linear(x[:m], w)[0] for m in (1, 5, 40)]
     print("plain F.linear row-invariant on this CPU:", all(torch.equal(r, plain[0]) for r in plain))
+
+
+def test_only_draft_passes_skip_the_row_invariant_mode(monkeypatch):
+    """The mode wraps every ``ModelRunner.forward`` except the worker's draft passes (their
+    tokens are proposals that verify recomputes): a weight product inside forward goes
+    through the row-invariant kernel, unless ``_DRAFTING`` is set."""
+    import torch
+    import torch.nn.functional as F
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from sgl_vericache import sglang_adapter
+
+    w, x = torch.randn(8, 4), torch.randn(3, 4)
+    calls = []
+    kernel = sglang_adapter._row_invariant_linear
+    monkeypatch.setattr(sglang_adapter, "_row_invariant_linear", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(ModelRunner, "forward", lambda self: F.linear(x, w))  # restored afterwards
+    sglang_adapter._install_row_invariant_forward()
+    assert getattr(ModelRunner.forward, "_vericache", False)
+
+    ModelRunner.forward(None)  # prefill / decode / verify
+    assert len(calls) == 1
+    monkeypatch.setattr(sglang_adapter, "_DRAFTING", True)
+    out = ModelRunner.forward(None)  # a draft pass: plain F.linear
+    assert len(calls) == 1 and torch.equal(out, F.linear(x, w))
