@@ -1,0 +1,249 @@
+"""Full KV parked in host memory between verify rounds, loaded back layer by layer while
+the next round drafts.
+
+Drafting reads a request's compressed entry only; its full KV is needed at verify. With a
+device budget for full KV (``--vericache-full-device-budget``), the worker parks the
+request-owned part of a running request's full KV after each verify (copied to host
+memory, its device slots freed) and, when the next round starts, allocates slots again
+and starts copying it back on a background thread (CPU) or a side stream (CUDA), one
+layer at a time, while the drafts run. Verify waits per layer: the attention of layer l
+starts once layer l is back.
+
+Which part: the tokens a request owns (``[cache_protected_len, committed)``, in practice
+what it generated); its prompt is owned by SGLang's radix tree, shared with other requests
+and locked while the request runs, so it stays on the device. Every request verifies every
+round here (verifies are not staggered), so the budget lowers what the device holds
+between rounds, not at the verify peak.
+
+The class knows nothing of SGLang: it is given the pool's per-layer buffers, the
+request-to-slot table, and alloc / free callables. ``reserved_tokens`` is what parked
+requests will take back; the adapter subtracts it from the allocator's available size so
+the scheduler never promises those slots to anyone else.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class _Parked:
+    start: int  # row positions [start, start + n) are parked
+    n: int
+    keys: list  # per layer [n, H, D] on the host
+    values: list
+
+
+@dataclass
+class _Load:
+    """One round's loads: every parked request of the batch, copied layer by layer."""
+
+    rids: list
+    num_layers: int
+    done: list = field(default_factory=list)  # CPU: threading.Event per layer; CUDA: torch.cuda.Event
+    error: list = field(default_factory=list)
+    thread: Optional[threading.Thread] = None
+
+
+@dataclass
+class ParkingStats:
+    parks: int = 0
+    loads: int = 0
+    parked_tokens: int = 0
+    loaded_tokens: int = 0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    wait_seconds: float = 0.0  # verify's wait for layers still loading
+    load_seconds: float = 0.0  # the copies themselves (background)
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class ParkingError(RuntimeError):
+    pass
+
+
+class FullKVParking:
+    def __init__(self, key_buffer: Callable[[int], torch.Tensor], value_buffer: Callable[[int], torch.Tensor],
+                 num_layers: int, req_to_token: torch.Tensor, alloc: Callable[[int], Optional[torch.Tensor]],
+                 free: Callable[[torch.Tensor], None], make_room: Callable[[int], None] = lambda n: None):
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer
+        self.num_layers = num_layers
+        self.req_to_token = req_to_token
+        self.alloc, self.free, self.make_room = alloc, free, make_room
+        self.device = key_buffer(0).device
+        self.on_cuda = self.device.type == "cuda"
+        self.parked: dict = {}  # rid -> _Parked
+        self.load: Optional[_Load] = None
+        self.stats = ParkingStats()
+        self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(p.n for p in self.parked.values())
+
+    def is_parked(self, rid) -> bool:
+        return rid in self.parked
+
+    def _bytes(self, n: int) -> int:
+        k, v = self.key_buffer(0), self.value_buffer(0)
+        per_token = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
+        return n * per_token * self.num_layers
+
+    # -- park -----------------------------------------------------------------------------
+    def park(self, rid, row: int, start: int, end: int) -> int:
+        """Copy row positions [start, end) of every layer to the host and free their device
+        slots. Returns the tokens parked (0 when there is nothing to park)."""
+        if self.load is not None and rid in self.load.rids:
+            raise ParkingError(f"request {rid!r} is still loading")
+        if rid in self.parked:
+            raise ParkingError(f"request {rid!r} is already parked")
+        n = end - start
+        if n <= 0:
+            return 0
+        slots = self.req_to_token[row, start:end].to(torch.int64)
+        pin = self.on_cuda
+        keys = [_to_host(self.key_buffer(layer)[slots], pin) for layer in range(self.num_layers)]
+        values = [_to_host(self.value_buffer(layer)[slots], pin) for layer in range(self.num_layers)]
+        if self.on_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.free(slots)
+        self.parked[rid] = _Parked(start, n, keys, values)
+        self.stats.parks += 1
+        self.stats.parked_tokens += n
+        self.stats.bytes_to_host += self._bytes(n)
+        return n
+
+    # -- load back --------------------------------------------------------------------------
+    def start_loads(self, rows: dict) -> int:
+        """Give every parked request in ``rows`` (rid -> req_to_token row) new device slots,
+        write them into its row, and start copying its KV back, layer by layer. Returns the
+        tokens being loaded. Waits for an earlier round's loads first."""
+        self.finish()
+        rids = [rid for rid in rows if rid in self.parked]
+        if not rids:
+            return 0
+        targets = []
+        for rid in rids:
+            parked = self.parked[rid]
+            slots = self._alloc(parked.n, rid)
+            self.req_to_token[rows[rid], parked.start:parked.start + parked.n] = slots.to(self.req_to_token.dtype)
+            targets.append((rid, slots.to(torch.int64)))
+        load = _Load(rids, self.num_layers)
+        n = sum(self.parked[rid].n for rid in rids)
+        self.stats.loads += len(rids)
+        self.stats.loaded_tokens += n
+        self.stats.bytes_to_device += self._bytes(n)
+        if self.on_cuda:
+            self._load_on_stream(load, targets)
+        else:
+            load.done = [threading.Event() for _ in range(self.num_layers)]
+            load.thread = threading.Thread(target=self._load_on_thread, args=(load, targets), daemon=True,
+                                           name="vericache-full-kv-load")
+            load.thread.start()
+        self.load = load
+        return n
+
+    def _alloc(self, n: int, rid) -> torch.Tensor:
+        slots = self.alloc(n)
+        if slots is None:
+            self.make_room(n)
+            slots = self.alloc(n)
+        if slots is None:
+            raise ParkingError(f"no device slots for {n} tokens of parked request {rid!r}")
+        return slots
+
+    def _copy_layer(self, layer: int, targets) -> None:
+        k, v = self.key_buffer(layer), self.value_buffer(layer)
+        for rid, slots in targets:
+            parked = self.parked[rid]
+            k[slots] = parked.keys[layer].to(self.device, non_blocking=True)
+            v[slots] = parked.values[layer].to(self.device, non_blocking=True)
+
+    def _load_on_thread(self, load: _Load, targets) -> None:
+        t0 = time.perf_counter()
+        try:
+            for layer in range(self.num_layers):
+                self._copy_layer(layer, targets)
+                load.done[layer].set()
+        except BaseException as exc:  # surfaced to the waiting verify, never swallowed
+            load.error.append(exc)
+            for event in load.done:
+                event.set()
+        finally:
+            self.stats.load_seconds += time.perf_counter() - t0
+
+    def _load_on_stream(self, load: _Load, targets) -> None:
+        t0 = time.perf_counter()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for layer in range(self.num_layers):
+                self._copy_layer(layer, targets)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                load.done.append(event)
+        self.stats.load_seconds += time.perf_counter() - t0
+
+    def wait_layer(self, layer: int) -> None:
+        """Before layer ``layer`` reads full KV: wait until this round's loads have it."""
+        load = self.load
+        if load is None:
+            return
+        t0 = time.perf_counter()
+        if self.on_cuda:
+            torch.cuda.current_stream(self.device).wait_event(load.done[layer])
+        else:
+            load.done[layer].wait()
+        self.stats.wait_seconds += time.perf_counter() - t0
+        if load.error:
+            raise ParkingError(f"loading parked full KV failed: {load.error[0]!r}") from load.error[0]
+
+    def finish(self) -> None:
+        """Wait for the loads in flight, then drop their host copies."""
+        load, self.load = self.load, None
+        if load is None:
+            return
+        if load.thread is not None:
+            load.thread.join()
+        elif self.on_cuda:
+            torch.cuda.current_stream(self.device).wait_event(load.done[-1])
+        for rid in load.rids:
+            self.parked.pop(rid, None)
+        if load.error:
+            raise ParkingError(f"loading parked full KV failed: {load.error[0]!r}") from load.error[0]
+
+    def load_now(self, rid, row: int) -> int:
+        """Bring one request's KV back before anything else reads its row (it finishes or
+        is preempted while parked). Returns the tokens loaded."""
+        if rid not in self.parked:
+            return 0
+        n = self.start_loads({rid: row})
+        self.finish()
+        return n
+
+    def discard(self, rid) -> None:
+        self.parked.pop(rid, None)
+
+    def check_integrity(self) -> None:
+        if self.load is not None:
+            missing = [rid for rid in self.load.rids if rid not in self.parked]
+            if missing:
+                raise AssertionError(f"loading requests without a parked copy: {missing[:4]}")
+        for rid, parked in self.parked.items():
+            if len(parked.keys) != self.num_layers or any(k.shape[0] != parked.n for k in parked.keys):
+                raise AssertionError(f"parked copy of {rid!r} has the wrong shape")
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t.clone() if t._base is not None else t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    out.copy_(t, non_blocking=True)
+    return out
