@@ -329,3 +329,21 @@ def test_every_flag_has_a_row_in_the_readme_flag_table():
     rows = set(re.findall(r"^\| `(--vericache-[a-z0-9-]+)", table, flags=re.M))
     assert flags - rows == set(), f"flags without a README row: {sorted(flags - rows)}"
     assert rows - flags == set(), f"README rows for flags that do not exist: {sorted(rows - flags)}"
+
+
+def test_a_full_kv_device_budget_brings_the_vericache_radix_backend_and_refuses_others():
+    from sgl_vericache.sglang_adapter import apply_vericache_flags
+
+    vc, rest = parse_known(["--vericache-full-device-budget", "0"])
+    assert vc.full_device_budget == 0
+    argv = apply_vericache_flags(vc, rest)
+    assert argv[argv.index("--radix-cache-backend") + 1] == "vericache"
+    assert apply_vericache_flags(vc, ["--radix-cache-backend=vericache"]).count("--radix-cache-backend") == 0
+    with pytest.raises(ValueError, match="needs --radix-cache-backend vericache, not 'flexkv'"):
+        apply_vericache_flags(vc, ["--radix-cache-backend", "flexkv"])
+    with pytest.raises(ValueError, match="needs --page-size 1, not '16'"):
+        apply_vericache_flags(vc, ["--page-size", "16"])
+    off = parse_known([])[0]
+    assert off.full_device_budget == -1 and "--radix-cache-backend" not in apply_vericache_flags(off, [])
+    with pytest.raises(ValueError, match="full-device-budget -2 is out of range"):
+        parse_known(["--vericache-full-device-budget", "-2"])

@@ -5,6 +5,8 @@ CI subset (this file without ``slow``): one VERICACHE engine (draft length up to
 serves every compressor at 4x and draft lengths 1, 4, 16 and 30 through per-request
 overrides (``custom_params``), at batch 4 over 8 prompts x 128 tokens and at batch 1 over
 two of them x 64 tokens; the speculation-off reference is computed once and reused. The
+engine parks requests' own full KV beyond a 64-token device budget in host memory between
+verify rounds (``--vericache-full-device-budget``), so both paths run. The
 full matrix (every compressor x draft lengths 1/4/16/30 x batch 1/4, 24 prompts x 256
 tokens) is the ``slow`` test in ``test_exactness_matrix.py``.
 """
@@ -20,6 +22,7 @@ from prompts import prompt_set
 COMPRESSORS = ["kivi4", "kivi2", "int8", "fp8", "streamingllm", "snapkv", "h2o", "quest"]
 DRAFT_LENS = [1, 4, 16, 30]
 MAX_DRAFT_LEN = 30
+FULL_BUDGET = 64  # --vericache-full-device-budget of the VERICACHE engine (tokens)
 ENGINE_KW = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                  dtype="float32", max_total_tokens=16384, log_level="warning")
 
@@ -165,13 +168,18 @@ def vc_engine(default_model_path):
     prefix cache). The reference engine never preempts: outputs must not depend on it."""
     from sgl_vericache.config import VeriCacheConfig
 
-    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=MAX_DRAFT_LEN).to_env()
+    # A device budget of 64 tokens for requests' own full KV: at batch 4 some requests keep
+    # theirs on the device and the rest are parked in host memory after every verify and
+    # copied back while the next round drafts; at batch 1 a request is parked once it has
+    # generated more than 64 tokens. Both paths run in the tests below.
+    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=MAX_DRAFT_LEN, full_device_budget=FULL_BUDGET).to_env()
     with pytest.MonkeyPatch.context() as env:  # read once, when the scheduler starts
         env.setenv("SGLANG_TEST_RETRACT", "1")
         env.setenv("SGLANG_TEST_RETRACT_INTERVAL", str(PREEMPT_INTERVAL))
         engine = _engine(default_model_path, speculative_algorithm="VERICACHE",
                          speculative_num_draft_tokens=MAX_DRAFT_LEN + 1,
-                         speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
+                         speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True,
+                         radix_cache_backend="vericache")
     yield engine
     engine.shutdown()
 
@@ -365,3 +373,14 @@ def test_bad_per_request_override_is_refused(vc_engine, default_model_path):
     assert "exceeds the server's --vericache-draft-len" in message
     good = vc_engine.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 8, "temperature": 0})
     assert len(good["output_ids"]) == 8
+
+
+def test_full_kv_beyond_the_budget_was_parked_and_loaded_back(vc_engine):
+    """Runs after the tests above: their requests' own full KV beyond the engine's 64-token
+    device budget went to host memory and came back for the next verify (their outputs,
+    checked above, are those of speculation off); nothing stays parked once they finished."""
+    stats = vc_engine.get_server_info()["internal_states"][0]["vericache"]
+    assert stats["full_kv_parked_tokens"] > 0, stats
+    assert stats["full_kv_loaded_tokens"] == stats["full_kv_parked_tokens"], stats
+    assert stats["full_kv_bytes_to_device"] == stats["full_kv_bytes_to_host"] > 0, stats
+

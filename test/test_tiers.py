@@ -302,7 +302,9 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     spec = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
                 speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024,
                 radix_cache_backend="vericache")
-    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8).to_env()
+    # Device budget 0 for full KV: after every verify, each request's own KV (what it
+    # generated) is parked in host memory and copied back while the next round drafts.
+    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8, full_device_budget=0).to_env()
     t0 = time.monotonic()
     # Both read when B's scheduler starts: SGLang's storage fault injector (a random delay
     # before every storage call), and its retraction hook (a decoding request retracted
@@ -315,7 +317,8 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
         engine = _engine(default_model_path, **TIERS_KW, **files, **spec, enable_metrics=True)
     try:
         from_files = _agent_trace(engine, tok, together=True)
-        preempted = engine.get_server_info()["internal_states"][0]["vericache_preempted"]
+        state = engine.get_server_info()["internal_states"][0]
+        preempted, parked = state["vericache_preempted"], state["vericache"]
         counters = _tier_counters()
     finally:
         engine.shutdown()
@@ -323,11 +326,15 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     _report("B (corrupt, slow files; preempted)", from_files, time.monotonic() - t0, capfd)
     with capfd.disabled():
         print("engine B preempted requests kept:", preempted, "tier counters:", counters, flush=True)
+        print("engine B parked full KV:", {k: v for k, v in parked.items() if k.startswith("full_kv")}, flush=True)
     first_turns = [d.get("storage", 0) for _, d in from_files[:CONVERSATIONS]]
     assert 0 < first_turns[0] < 300 and min(first_turns[1:]) > 400, first_turns
     assert sum(d.get("host", 0) for _, d in from_files[CONVERSATIONS:]) > 0
     assert len(from_files) == len(reference) == (ROUNDS + 1) * CONVERSATIONS
     assert preempted["requests"] >= 1 and preempted["kept_tokens"] > 0, preempted
+    # every round after a request's first parks what it generated and loads it back
+    assert 0 < parked["full_kv_loaded_tokens"] <= parked["full_kv_parked_tokens"], parked
+    assert parked["full_kv_bytes_to_device"] > 0, parked
     assert "does not match its digest (corrupt)" in err
     assert counters.get("vericache:tier_pages_corrupt", 0) == 1, counters
     assert counters.get("vericache:tier_pages_read", 0) > 0, counters

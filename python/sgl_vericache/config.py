@@ -59,6 +59,13 @@ class VeriCacheConfig:
         "every verified token) in the radix tree, so it resumes from its cached tokens, or from HiCache's "
         "host tier once evicted, instead of recomputing them; its compressed entry is kept as well. For "
         "every engine, speculation on or off; off = SGLang's behaviour (recompute).")
+    full_device_budget: int = _opt(
+        -1, "Tokens of running requests' own full KV (what they generated; their prompts stay in SGLang's radix "
+        "tree) kept on the device between verify rounds; the rest is parked in host memory after each verify "
+        "and copied back layer by layer while the next round drafts, verify waiting per layer. 0 = every "
+        "verify loads from host; -1 = off. Needs --radix-cache-backend vericache (set for you) and page size 1.",
+        min=-1, max=1 << 40,
+    )
     compressor_options: str = _opt(
         "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
     )

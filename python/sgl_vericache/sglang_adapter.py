@@ -68,12 +68,41 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
                 f"{flag} is set by VeriCache (use --vericache-draft-len); pass --no-vericache-enable "
                 "to use another speculative algorithm"
             )
-    return argv + [
+    extra = []
+    if vc.full_device_budget >= 0:
+        extra = _parking_flags(argv)
+    return argv + extra + [
         "--speculative-algorithm", SPEC_ALGORITHM,
         "--speculative-num-draft-tokens", str(vc.draft_len + 1),
         "--speculative-ngram-max-bfs-breadth", "1",
         "--disable-overlap-schedule",
     ]
+
+
+def _flag_value(argv: list[str], flag: str):
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _check_parking_args(backend, page_size) -> None:
+    """--vericache-full-device-budget parks through the `vericache` radix backend's release
+    hooks and rewrites one-token slots: refuse other backends and pages."""
+    if backend != RADIX_BACKEND:
+        raise ValueError(f"--vericache-full-device-budget needs --radix-cache-backend {RADIX_BACKEND}, "
+                         f"not {backend!r}")
+    if str(page_size) != "1":
+        raise ValueError(f"--vericache-full-device-budget needs --page-size 1, not {page_size!r}")
+
+
+def _parking_flags(argv: list[str]) -> list[str]:
+    """The flags a server with a full-KV device budget needs (the radix backend, if unset)."""
+    backend = _flag_value(argv, "--radix-cache-backend")
+    _check_parking_args(backend or RADIX_BACKEND, _flag_value(argv, "--page-size") or 1)
+    return [] if backend else ["--radix-cache-backend", RADIX_BACKEND]
 
 
 def run_http_server(argv: list[str]) -> int:
@@ -171,7 +200,7 @@ def _build_worker_class():
     import torch
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-    from sglang.srt.runtime_context import get_device, get_observability, get_schedule, get_spec
+    from sglang.srt.runtime_context import get_device, get_memory, get_observability, get_schedule, get_spec
     from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
     from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
@@ -212,12 +241,19 @@ def _build_worker_class():
             self._rng = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
             self.stats = _Stats(get_observability().enable_metrics)
             self.draft_weights = _build_draft_weights(self.vc.draft_weights, self.model_runner)
+            self.parking = None  # FullKVParking, built at the first round when a budget is set
+            if self.vc.full_device_budget >= 0:
+                _check_parking_args(get_memory().radix_cache_backend, self.page_size)
             _install_verify_sampler()
             _LIVE_WORKERS.add(self)
 
         def check_integrity(self):
             """The compressed side: every request's entry and the prefix cache's tree."""
             self.store.check_integrity()
+            if self.parking is not None:
+                self.parking.check_integrity()
+                if self.parking.parked:
+                    raise CacheIntegrityError(f"{len(self.parking.parked)} parked requests at an idle point")
             if self.prefix_cache is not None:
                 self.prefix_cache.check_integrity()
 
@@ -276,10 +312,56 @@ def _build_worker_class():
             finally:
                 _ACTIVE_WORKER = None
                 self._round = None
+                if self.parking is not None:
+                    self.parking.finish()
             if is_round and result.accept_lens is not None:
                 self.stats.verified(time.perf_counter() - t0, result.accept_lens.tolist())
+                if self.vc.full_device_budget >= 0:
+                    self._park(batch, result.new_seq_lens.tolist())
             self.stats.end_iteration()
             return result
+
+        def _parking(self):
+            if self.parking is None:
+                self.parking = _build_parking(self.model_runner)
+            return self.parking
+
+        def _park(self, batch, committed):
+            """After verify: keep at most the budget of requests' own full KV on the device;
+            park the rest in host memory (their compressed entries are brought up to date
+            first, so the next round drafts without reading it)."""
+            parking, budget, resident = self._parking(), self.vc.full_device_budget, 0
+            pool = self.model_runner.token_to_kv_pool
+            req_to_token = self.model_runner.req_to_token_pool.req_to_token
+            for req, row, n in zip(batch.reqs, batch.req_pool_indices.tolist(), committed):
+                start = req.kv.cache_protected_len
+                if resident + (n - start) <= budget:
+                    resident += n - start
+                    continue
+
+                def read_kv(layer_id, lo, hi, row=row):
+                    slots = req_to_token[row, lo:hi].to(torch.int64)
+                    return pool.get_key_buffer(layer_id)[slots], pool.get_value_buffer(layer_id)[slots]
+
+                self.store.sync(req.rid, n, read_kv, compressor=self._plan(req)[0])
+                parking.park(req.rid, row, start, n)
+            self._park_stats()
+
+        def _unpark(self, batch):
+            """At a round's start: parked requests get slots again and their KV starts
+            copying back while the drafts run; verify waits per layer."""
+            if self.parking is not None and self.parking.parked:
+                self.parking.start_loads(dict(zip([r.rid for r in batch.reqs], batch.req_pool_indices.tolist())))
+                self._park_stats()
+
+        def _park_stats(self):
+            s = self.parking.stats
+            for name, total in (("full_kv_parked_tokens", s.parked_tokens), ("full_kv_loaded_tokens", s.loaded_tokens),
+                                ("full_kv_bytes_to_host", s.bytes_to_host),
+                                ("full_kv_bytes_to_device", s.bytes_to_device),
+                                ("full_kv_wait_seconds", s.wait_seconds),
+                                ("full_kv_copy_seconds", s.load_seconds)):
+                self.stats.add(name, total - self.stats.totals[name])
 
         def verify_sample(self, verify_input, batch, logits_output, grammar_mask):
             """Acceptance for a batch that samples (see ``_sample_verify``)."""
@@ -350,6 +432,7 @@ def _build_worker_class():
             departed = self._prev_decode_rids - {req.rid for req in batch.reqs}
             if departed:
                 self._release_departed(departed)
+            self._unpark(batch)
             self._sync_store(batch, verified, plans)
             roots = [_last_token(req) for req in batch.reqs]
             steps = max(draft_len for _, draft_len in plans)
@@ -606,6 +689,8 @@ def _verify_attention(backend, q, layer, forward_batch):
     import torch.nn.functional as F
 
     hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+    if _PARKING[0] is not None:
+        _PARKING[0].wait_layer(layer.layer_id)  # parked full KV copied back for this layer
     bs = forward_batch.batch_size
     q = q.reshape(bs, -1, hq, d)  # [bs, n, H_q, D]
     n = q.shape[1]
@@ -904,6 +989,49 @@ def _install_keep_preempted_kv() -> None:
     schedule_batch.release_req = release_req
 
 
+_PARKING = [None]  # this scheduler process's FullKVParking (one VeriCache worker per process)
+_TREE_CACHES = weakref.WeakSet()  # `vericache` radix caches of this process
+
+
+def _build_parking(model_runner):
+    """Parking over the target's KV pool; its reserved slots are taken out of the allocator's
+    available size, so SGLang's admission and decode checks never hand them out."""
+    from sgl_vericache.mem_cache.full_kv_parking import FullKVParking, ParkingError
+
+    trees = list(_TREE_CACHES)
+    if not trees:
+        raise ParkingError(f"--vericache-full-device-budget needs --radix-cache-backend {RADIX_BACKEND} "
+                           "(its release hooks load a parked request back before SGLang frees it)")
+    tree = trees[0]
+    pool, alloc = model_runner.token_to_kv_pool, model_runner.token_to_kv_pool_allocator
+    if alloc.page_size != 1 or not hasattr(pool, "k_buffer") or tree.supports_mamba() or tree.supports_swa():
+        raise ParkingError("--vericache-full-device-budget supports one-token pages of a plain MHA KV pool "
+                           f"(page size {alloc.page_size}, pool {type(pool).__name__})")
+
+    def make_room(n):
+        from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+        evict_from_tree_cache(tree, n)
+
+    parking = FullKVParking(pool.get_key_buffer, pool.get_value_buffer, pool.layer_num,
+                            model_runner.req_to_token_pool.req_to_token, alloc.alloc, alloc.free, make_room)
+    available = alloc.available_size
+    alloc.available_size = lambda: available() - parking.reserved_tokens
+    _PARKING[0] = parking
+    return parking
+
+
+def _load_parked(req) -> None:
+    """Before SGLang reads a request's row to free or insert it (it finished, was aborted or
+    preempted while its KV was parked): copy its KV back first."""
+    parking = _PARKING[0]
+    if parking is not None and parking.is_parked(req.rid):
+        parking.load_now(req.rid, req.kv.req_pool_idx)
+        for worker in list(_LIVE_WORKERS):
+            if worker.parking is parking:
+                worker._park_stats()
+
+
 # --- the `vericache` radix cache backend ------------------------------------------------
 
 RADIX_BACKEND = "vericache"
@@ -926,6 +1054,18 @@ def vericache_radix_cache_class():
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     class VeriCacheRadixCache(UnifiedRadixCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _TREE_CACHES.add(self)
+
+        def claim_kv_row(self, req):
+            _load_parked(req)
+            return super().claim_kv_row(req)
+
+        def checkpoint(self, req, *, up_to, **kwargs):
+            _load_parked(req)
+            return super().checkpoint(req, up_to=up_to, **kwargs)
+
         def check_integrity(self) -> dict:
             """Check the tree and the pools it indexes; valid when no request is running
             (SGLang's idle point). Raises ``CacheIntegrityError`` listing every violation;
@@ -1569,6 +1709,14 @@ class _Stats:
         "verify_seconds": "Wall time of verify passes incl. acceptance and KV commit",
         "full_kv_load_seconds": "Seconds spent loading full KV from the host tier before a forward "
                                 "(CPU device pool: the forward waits for all of it)",
+        "full_kv_parked_tokens": "Tokens of running requests' full KV parked in host memory after a verify "
+                                 "(--vericache-full-device-budget)",
+        "full_kv_loaded_tokens": "Parked tokens copied back to the device for a verify",
+        "full_kv_bytes_to_host": "Bytes of full KV parked in host memory",
+        "full_kv_bytes_to_device": "Bytes of parked full KV copied back to the device",
+        "full_kv_wait_seconds": "Seconds verify waited for parked full KV still being copied back",
+        "full_kv_copy_seconds": "Seconds the background copies of parked full KV back to the device took "
+                                "(on CUDA: queueing on the side stream only)",
         "compressed_prefix_lookups": "New requests looked up in the compressed prefix cache",
         "compressed_prefix_hits": "New requests that started from a cached compressed prefix entry",
         "compressed_prefix_hit_tokens": "Verified tokens whose compressed KV came from the prefix cache",
