@@ -101,9 +101,20 @@ class EngineProc:
         return self._reply()
 
     def shutdown(self) -> None:
+        """Ask the child to shut its engine down; one that does not answer within two
+        minutes (still starting, or its scheduler died) is terminated, then killed."""
         if self.proc.is_alive():
-            self.conn.send(("shutdown",))
+            try:
+                self.conn.send(("shutdown",))
+            except (BrokenPipeError, OSError):
+                pass
             self.proc.join(120)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
 
     def _reply(self):
         kind, payload = self.conn.recv()
@@ -391,7 +402,8 @@ def parse_args() -> tuple[BenchConfig, str]:
 def preset_args(doc: str, config_cls, presets: dict, quick_help: str, default_out: str, check=None):
     """The CLI of a benchmark whose settings are one dataclass: ``--quick`` picks
     ``presets["quick"]`` (else ``presets["default"]``), every field but ``mode`` / ``out`` is a
-    flag overriding the preset, numbers must be positive, ``check(parser, cfg)`` refuses the
+    flag overriding the preset, numbers must be positive (or at least a field's ``min``
+    metadata), ``check(parser, cfg)`` refuses the
     rest. Returns (cfg, model_path, replot) for ``bench_main``."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=quick_help)
@@ -405,8 +417,12 @@ def preset_args(doc: str, config_cls, presets: dict, quick_help: str, default_ou
     args = p.parse_args()
     cfg = presets["quick" if args.quick else "default"]
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    lows = {f.name: f.metadata.get("min") for f in dataclasses.fields(config_cls)}
     for name, value in overrides.items():
-        if isinstance(value, (int, float)) and value <= 0:
+        lo = lows.get(name)
+        if isinstance(value, (int, float)) and lo is not None and value < lo:
+            p.error(f"--{name.replace('_', '-')} {value} must be at least {lo}")
+        if isinstance(value, (int, float)) and lo is None and value <= 0:
             p.error(f"--{name.replace('_', '-')} {value} must be positive")
     cfg = dataclasses.replace(cfg, **overrides, **({"out": args.out} if args.out else {}))
     if check is not None:

@@ -19,13 +19,17 @@ loads are part of the cost), prefix hit ratio (cached / prompt tokens) and hits 
 (device / host / storage) from ``meta_info.cached_tokens_details``, the bytes those hits
 moved (tokens x full-KV bytes per token), and whether B's outputs equal A's; for B also the
 tokens whose compressed KV came from VeriCache's compressed prefix cache (the previous
-turn's entry) rather than being compressed again. Verify time
-never waits for loads (a running request's full KV stays on the device; VeriCache's async tier
-loader is not built yet): SGLang loads a hit prefix back before the forward that uses it,
-and the time that takes on this CPU (``vericache:full_kv_load_seconds``) is reported as
-``full_kv_load_fraction`` of the VERICACHE arm's time.
+turn's entry) rather than being compressed again. SGLang loads a hit prefix back before the
+forward that uses it, and the time that takes on this CPU (``vericache:full_kv_load_seconds``)
+is reported as ``full_kv_load_fraction`` of the VERICACHE arm's time. By default a running
+request's full KV stays on the device, so verify never waits for a load; with
+``--full-device-budget N`` the VERICACHE arm parks requests' own full KV beyond N tokens in
+host memory after each verify and loads it back while the next round drafts
+(``--vericache-full-device-budget``), and ``verify_stall_fraction`` is the share of verify
+time spent waiting for it, with the bytes moved each way.
 
     python benchmark/bench_tiers.py --quick     # 2 agents x 2 turns, 8 tokens
+    python benchmark/bench_tiers.py --quick --full-device-budget 0
     python benchmark/bench_tiers.py --out benchmark/results/tiers.json
 """
 
@@ -44,8 +48,13 @@ from bench_decode import DecodeEngine, filler_text  # noqa: E402
 from bench_spec import bench_main, check_compressor, first_divergence, make_log, preset_args, provenance  # noqa: E402
 
 TIERS = ("device", "host", "storage")
+PARKING_COUNTERS = ("full_kv_parked_tokens", "full_kv_loaded_tokens", "full_kv_bytes_to_host",
+                    "full_kv_bytes_to_device", "full_kv_wait_seconds", "full_kv_copy_seconds")
 STALL_NOTE = ("verify never waits for loads: a running request's full KV stays on the device (no async tier "
               "loader yet); the wait is before prefill, reported as full_kv_load_fraction")
+PARKED_NOTE = ("--full-device-budget: requests' own full KV beyond the budget is parked in host memory after "
+               "each verify and copied back layer by layer while the next round drafts; verify_stall_fraction = "
+               "seconds verify waited for a layer / verify seconds (prompts stay on the device)")
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,8 @@ class TiersConfig:
     host_ratio: float = 2.0
     compressor: str = "streamingllm"
     draft_len: int = 8
+    full_device_budget: int = dataclasses.field(default=-1, metadata={"min": -1})  # VERICACHE arm's
+    # --vericache-full-device-budget (tokens; -1 = off)
     out: str = "benchmark/results/tiers.json"
 
 
@@ -96,8 +107,10 @@ def start_engines(model_path: str, cfg: TiersConfig, storage_root: Path):
                   hicache_io_backend="kernel", hicache_mem_layout="page_first", hicache_storage_backend="file",
                   hicache_storage_prefetch_policy="wait_complete")
     off = DecodeEngine(model_path, env, file_storage_path=str(storage_root / "off"), **common)
-    VeriCacheConfig(compressor=cfg.compressor, ratio=4.0, draft_len=cfg.draft_len).to_env()
-    spec = DecodeEngine(model_path, env,
+    VeriCacheConfig(compressor=cfg.compressor, ratio=4.0, draft_len=cfg.draft_len,
+                    full_device_budget=cfg.full_device_budget).to_env()
+    parking = {"radix_cache_backend": "vericache"} if cfg.full_device_budget >= 0 else {}
+    spec = DecodeEngine(model_path, env, **parking,
                       file_storage_path=str(storage_root / "vericache"), speculative_algorithm="VERICACHE",
                       speculative_num_draft_tokens=cfg.draft_len + 1, speculative_ngram_max_bfs_breadth=1,
                       disable_overlap_schedule=True, **common)
@@ -118,7 +131,8 @@ def run(cfg: TiersConfig, model_path: str, save) -> dict:
             spec.wait_ready()
             log("engines ready")
             result = {**provenance(model_path), "config": dataclasses.asdict(cfg), "engine_flags": common,
-                      "kv_bytes_per_token": per_token, "verify_stall_fraction": None, "verify_stall_note": STALL_NOTE,
+                      "kv_bytes_per_token": per_token, "verify_stall_fraction": None,
+                      "verify_stall_note": STALL_NOTE if cfg.full_device_budget < 0 else PARKED_NOTE,
                       "turns": []}
             chats = [[{"role": "system", "content": system_prompt()}] for _ in range(cfg.conversations)]
             tool_blocks = max(1, cfg.tool_tokens // 120)
@@ -146,7 +160,8 @@ def run(cfg: TiersConfig, model_path: str, save) -> dict:
                             row[arm]["compressed_prefix_hit_tokens"] = int(
                                 after["compressed_prefix_hit_tokens"] - state["compressed_prefix_hit_tokens"])
                             row[arm]["compressed_prefix_bytes"] = int(after["compressed_prefix_bytes"])
-                            row[arm]["full_kv_load_seconds"] = after["full_kv_load_seconds"] - state["full_kv_load_seconds"]
+                            for name in PARKING_COUNTERS + ("full_kv_load_seconds", "verify_seconds"):
+                                row[arm][name] = after.get(name, 0) - state.get(name, 0)
                     row["identical"] = first_divergence(row["vericache"]["output_ids"], row["off"]["output_ids"]) is None
                     chat.append({"role": "assistant",
                                  "content": tok.decode(row["off"]["output_ids"], skip_special_tokens=True)})
@@ -186,6 +201,11 @@ def summarize_arms(result: dict) -> dict:
         load = sum(r["vericache"]["full_kv_load_seconds"] for r in turns)
         summary["vericache"]["full_kv_load_seconds"] = load
         summary["vericache"]["full_kv_load_fraction"] = load / max(summary["vericache"]["seconds"], 1e-9)
+        for name in PARKING_COUNTERS + ("verify_seconds",):
+            summary["vericache"][name] = sum(r["vericache"].get(name, 0) for r in turns)
+        if result["config"].get("full_device_budget", -1) >= 0:
+            result["verify_stall_fraction"] = (summary["vericache"]["full_kv_wait_seconds"]
+                                               / max(summary["vericache"]["verify_seconds"], 1e-9))
     summary["speedup"] = summary["vericache"]["tok_per_s"] / max(summary["off"]["tok_per_s"], 1e-9)
     summary["identical"] = f"{sum(r['identical'] for r in turns)}/{len(turns)}"
     return summary
@@ -236,7 +256,16 @@ def summary(result: dict) -> str:
                      "prefix entries instead of compressing them again; "
                      f"{s['vericache']['full_kv_load_seconds']:.2f} s ({100 * s['vericache']['full_kv_load_fraction']:.1f}% "
                      "of its time) loading full KV from the host tier before prefill")
-    lines.append(f"speedup {s['speedup']:.2f}x, identical {s['identical']}; verify stall: {STALL_NOTE}")
+    if result.get("verify_stall_fraction") is not None:
+        v = s["vericache"]
+        lines.append(f"parked full KV (device budget {result['config']['full_device_budget']} tokens): "
+                     f"{int(v['full_kv_parked_tokens'])} tokens parked, {int(v['full_kv_loaded_tokens'])} loaded back "
+                     f"({v['full_kv_bytes_to_device'] / 1e6:.1f} MB); verify waited {v['full_kv_wait_seconds']:.3f} s "
+                     f"of {v['verify_seconds']:.2f} s ({100 * result['verify_stall_fraction']:.1f}%), the copies took "
+                     f"{v['full_kv_copy_seconds']:.3f} s beside the drafts")
+        lines.append(f"speedup {s['speedup']:.2f}x, identical {s['identical']}")
+    else:
+        lines.append(f"speedup {s['speedup']:.2f}x, identical {s['identical']}; verify stall: {STALL_NOTE}")
     return "\n".join(lines)
 
 

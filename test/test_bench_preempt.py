@@ -1,5 +1,5 @@
 """bench_preempt.py without an engine: its prompts, its summary, and the shared CLI it
-and bench_tiers use (presets, overrides, refusals)."""
+and bench_tiers use (presets, overrides, refusals); bench_tiers' summary of parked full KV."""
 
 import subprocess
 import sys
@@ -52,3 +52,32 @@ def test_bad_flags_are_refused_before_any_engine(args, message):
         out = subprocess.run([sys.executable, str(BENCH / bench), *args], capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 2 and message in out.stderr, (bench, out.stderr[-500:])
+
+
+def test_bench_tiers_full_device_budget_takes_minus_one_to_turn_off_and_no_less():
+    out = subprocess.run([sys.executable, str(BENCH / "bench_tiers.py"), "--full-device-budget", "-2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--full-device-budget -2 must be at least -1" in out.stderr, out.stderr[-500:]
+
+
+def test_bench_tiers_reports_the_verify_stall_of_parked_full_kv():
+    import bench_tiers as bt
+
+    def arm(seconds, **extra):
+        return {"seconds": seconds, "completion_tokens": 8, "cached_tokens": 4, "device_hit_tokens": 4,
+                "host_hit_tokens": 0, "storage_hit_tokens": 0, "output_ids": [1], **extra}
+
+    counters = {name: 1.0 for name in bt.PARKING_COUNTERS}
+    turns = [{"prompt_tokens": 10, "identical": True, "off": arm(2.0),
+              "vericache": arm(1.0, compressed_prefix_hit_tokens=0, compressed_prefix_bytes=0,
+                               full_kv_load_seconds=0.0, verify_seconds=0.5,
+                               **{**counters, "full_kv_wait_seconds": 0.05})} for _ in range(2)]
+    parked = {"kv_bytes_per_token": 100, "config": {"full_device_budget": 0}, "turns": turns}
+    s = bt.summarize_arms(parked)
+    assert parked["verify_stall_fraction"] == pytest.approx(0.1)
+    assert s["vericache"]["full_kv_loaded_tokens"] == 2 and s["speedup"] == pytest.approx(2.0)
+    assert "verify waited 0.100 s of 1.00 s (10.0%)" in bt.summary({**parked, "summary": s})
+    off = {"kv_bytes_per_token": 100, "config": {"full_device_budget": -1}, "turns": turns,
+           "verify_stall_fraction": None}
+    bt.summarize_arms(off)
+    assert off["verify_stall_fraction"] is None
