@@ -12,8 +12,9 @@ starts once layer l is back.
 Which part: the tokens a request owns (``[cache_protected_len, committed)``, in practice
 what it generated); its prompt is owned by SGLang's radix tree, shared with other requests
 and locked while the request runs, so it stays on the device. Every request verifies every
-round here (verifies are not staggered), so the budget lowers what the device holds
-between rounds, not at the verify peak.
+round here (verifies are not staggered), so every parked token comes back each round and
+its slots stay reserved meanwhile: this is the loader the memory win needs, not the win
+itself (that needs only some requests verifying per iteration while the rest draft).
 
 The class knows nothing of SGLang: it is given the pool's per-layer buffers, the
 request-to-slot table, and alloc / free callables. ``reserved_tokens`` is what parked
