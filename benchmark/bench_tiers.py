@@ -49,7 +49,8 @@ from bench_spec import bench_main, check_compressor, first_divergence, make_log,
 
 TIERS = ("device", "host", "storage")
 PARKING_COUNTERS = ("full_kv_parked_tokens", "full_kv_loaded_tokens", "full_kv_bytes_to_host",
-                    "full_kv_bytes_to_device", "full_kv_wait_seconds", "full_kv_copy_seconds")
+                    "full_kv_bytes_to_device", "full_kv_wait_seconds", "full_kv_copy_seconds", "full_kv_parks",
+                    "full_kv_parks_in_host_pool")
 STALL_NOTE = ("verify never waits for loads: a running request's full KV stays on the device (no async tier "
               "loader yet); the wait is before prefill, reported as full_kv_load_fraction")
 PARKED_NOTE = ("--full-device-budget: requests' own full KV beyond the budget is parked in host memory after "

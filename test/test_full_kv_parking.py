@@ -156,3 +156,18 @@ def test_load_now_and_nothing_to_park():
     after = pool.row_kv(0, 0, 6)
     assert all(torch.equal(k0, k1) and torch.equal(v0, v1) for (k0, v0), (k1, v1) in zip(before, after))
     parking.check_integrity()
+
+
+def test_a_round_that_cannot_get_slots_for_every_parked_request_takes_none():
+    pool = Pool()
+    pool.fill_row(0, 10)
+    pool.fill_row(1, 10)
+    parking = pool.parking()
+    parking.park("a", 0, 0, 10)
+    parking.park("b", 1, 0, 10)
+    pool.alloc(len(pool.free_slots) - 15)  # room for a, not for b too
+    free_before = sorted(pool.free_slots)
+    with pytest.raises(ParkingError, match="'b'"):
+        parking.start_loads({"a": 0, "b": 1})
+    assert sorted(pool.free_slots) == free_before and parking.is_parked("a") and parking.is_parked("b")
+    assert parking.load is None and parking.stats.loads == 0

@@ -94,6 +94,44 @@ def test_host_file_host_round_trip_is_bit_identical(cpu_hicache, tmp_path):
         assert torch.equal(_bits(device.v_buffer[layer][dst]), _bits(device.v_buffer[layer][src]))
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_full_kv_parked_in_the_host_pool_comes_back_bit_identical(cpu_hicache, layout):
+    """--vericache-full-device-budget with HiCache parks in SGLang's host pool (its slots,
+    its copy kernels): a row's KV parked, its device slots overwritten, loaded back layer by
+    layer into other slots, is bit-identical; the host slots are freed after the load; a full
+    host pool falls back to tensors of the parking's own."""
+    from sgl_vericache.mem_cache.full_kv_parking import FullKVParking, HostPoolStore
+
+    device, host = _pools(layout)
+    req_to_token = torch.zeros(2, 32, dtype=torch.int32)
+    free = list(range(1, DEVICE_TOKENS))
+    alloc = lambda n: torch.tensor([free.pop(0) for _ in range(n)]) if n <= len(free) else None  # noqa: E731
+    req_to_token[0, :20] = alloc(20).to(torch.int32)
+    slots = req_to_token[0, 4:20].to(torch.int64)
+    want = [(_bits(device.k_buffer[l][slots]).clone(), _bits(device.v_buffer[l][slots]).clone())
+            for l in range(LAYERS)]
+    parking = FullKVParking(device.get_key_buffer, device.get_value_buffer, LAYERS, req_to_token, alloc,
+                            lambda s: free.extend(s.tolist()), host_pool=HostPoolStore(host, device, "kernel"))
+    host_free = host.available_size()
+    parking.park("a", 0, 4, 20)
+    assert parking.stats.parks_in_host_pool == 1 and host.available_size() == host_free - 16
+    for buf in (*device.k_buffer, *device.v_buffer):
+        buf[slots] = 0.0
+    free.sort(reverse=True)  # the request gets other slots back
+    parking.start_loads({"a": 0})
+    parking.finish()
+    back = req_to_token[0, 4:20].to(torch.int64)
+    assert not torch.equal(back, slots)
+    for l in range(LAYERS):
+        assert torch.equal(_bits(device.k_buffer[l][back]), want[l][0])
+        assert torch.equal(_bits(device.v_buffer[l][back]), want[l][1])
+    assert host.available_size() == host_free
+    host.alloc(host.available_size())  # the host pool is full: tensors of its own
+    parking.park("b", 0, 4, 20)
+    assert parking.stats.parks == 2 and parking.stats.parks_in_host_pool == 1
+    assert parking.load_now("b", 0) == 16
+
+
 def test_unsupported_layout_on_cpu_is_refused(cpu_hicache):
     with pytest.raises(ValueError, match="page_first_direct.*layer_first or page_first"):
         _pools("page_first_direct", page_size=4)
@@ -335,6 +373,7 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     # every round after a request's first parks what it generated and loads it back
     assert parked["full_kv_loaded_tokens"] == parked["full_kv_parked_tokens"] > 0, parked
     assert parked["full_kv_bytes_to_device"] == parked["full_kv_bytes_to_host"] > 0, parked
+    assert parked["full_kv_parks_in_host_pool"] > 0, parked  # HiCache's host pool holds them
     assert "does not match its digest (corrupt)" in err
     assert counters.get("vericache:tier_pages_corrupt", 0) == 1, counters
     assert counters.get("vericache:tier_pages_read", 0) > 0, counters

@@ -360,7 +360,8 @@ def _build_worker_class():
                                 ("full_kv_bytes_to_host", s.bytes_to_host),
                                 ("full_kv_bytes_to_device", s.bytes_to_device),
                                 ("full_kv_wait_seconds", s.wait_seconds),
-                                ("full_kv_copy_seconds", s.load_seconds)):
+                                ("full_kv_copy_seconds", s.load_seconds),
+                                ("full_kv_parks", s.parks), ("full_kv_parks_in_host_pool", s.parks_in_host_pool)):
                 self.stats.add(name, total - self.stats.totals[name])
 
         def verify_sample(self, verify_input, batch, logits_output, grammar_mask):
@@ -1014,11 +1015,24 @@ def _build_parking(model_runner):
         evict_from_tree_cache(tree, n)
 
     parking = FullKVParking(pool.get_key_buffer, pool.get_value_buffer, pool.layer_num,
-                            model_runner.req_to_token_pool.req_to_token, alloc.alloc, alloc.free, make_room)
+                            model_runner.req_to_token_pool.req_to_token, alloc.alloc, alloc.free, make_room,
+                            host_pool=_parking_host_pool(tree, pool))
     available = alloc.available_size
     alloc.available_size = lambda: available() - parking.reserved_tokens
     _PARKING[0] = parking
     return parking
+
+
+def _parking_host_pool(tree, device_pool):
+    """HiCache's host KV pool, when the engine has one, as a place to park full KV."""
+    from sgl_vericache.mem_cache.full_kv_parking import HostPoolStore
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    controller = getattr(tree, "cache_controller", None)
+    host = getattr(controller, "mem_pool_host", None)
+    pools = [e.host_pool for e in host.entries] if hasattr(host, "entries") else [host]
+    kv = next((p for p in pools if isinstance(p, MHATokenToKVPoolHost)), None)
+    return None if kv is None else HostPoolStore(kv, device_pool, controller.io_backend)
 
 
 def _load_parked(req) -> None:
@@ -1715,6 +1729,9 @@ class _Stats:
         "full_kv_bytes_to_host": "Bytes of full KV parked in host memory",
         "full_kv_bytes_to_device": "Bytes of parked full KV copied back to the device",
         "full_kv_wait_seconds": "Seconds verify waited for parked full KV still being copied back",
+        "full_kv_parks": "Requests parked after a verify (one per request per round)",
+        "full_kv_parks_in_host_pool": "Requests parked in HiCache's host KV pool (the rest: in tensors of "
+                                      "VeriCache's own, when there is no host pool or it is full)",
         "full_kv_copy_seconds": "Seconds the background copies of parked full KV back to the device took "
                                 "(on CUDA: queueing on the side stream only)",
         "compressed_prefix_lookups": "New requests looked up in the compressed prefix cache",

@@ -16,8 +16,11 @@ round here (verifies are not staggered), so every parked token comes back each r
 its slots stay reserved meanwhile: this is the loader the memory win needs, not the win
 itself (that needs only some requests verifying per iteration while the rest draft).
 
-The class knows nothing of SGLang: it is given the pool's per-layer buffers, the
-request-to-slot table, and alloc / free callables. ``reserved_tokens`` is what parked
+Where parked KV lives: SGLang's HiCache host pool when the engine has one
+(``HostPoolStore``: its slots, its device<->host copy kernels), else tensors of its own
+(``TensorStore``, pinned on CUDA); a request that does not fit in the host pool falls back
+to tensors. The class knows nothing else of SGLang: it is given the pool's per-layer
+buffers, the request-to-slot table, and alloc / free callables. ``reserved_tokens`` is what parked
 requests will take back; the adapter subtracts it from the allocator's available size so
 the scheduler never promises those slots to anyone else.
 """
@@ -32,12 +35,64 @@ from typing import Callable, Optional
 import torch
 
 
+class TensorStore:
+    """Parked KV in host tensors of its own, one per layer (pinned when the device is CUDA)."""
+
+    name = "tensors"
+
+    def __init__(self, key_buffer, value_buffer, num_layers, pin: bool):
+        self.key_buffer, self.value_buffer, self.num_layers, self.pin = key_buffer, value_buffer, num_layers, pin
+
+    def put(self, slots: torch.Tensor):
+        keys = [_to_host(self.key_buffer(layer)[slots], self.pin) for layer in range(self.num_layers)]
+        values = [_to_host(self.value_buffer(layer)[slots], self.pin) for layer in range(self.num_layers)]
+        return keys, values
+
+    def load_layer(self, handle, layer: int, slots: torch.Tensor) -> None:
+        keys, values = handle
+        device = self.key_buffer(layer).device
+        self.key_buffer(layer)[slots] = keys[layer].to(device, non_blocking=True)
+        self.value_buffer(layer)[slots] = values[layer].to(device, non_blocking=True)
+
+    def drop(self, handle) -> None:
+        pass
+
+    def tokens(self, handle) -> int:
+        return handle[0][0].shape[0]
+
+
+class HostPoolStore:
+    """Parked KV in SGLang's HiCache host pool (``MHATokenToKVPoolHost``): slots from its
+    allocator, copies by its own backup / per-layer load kernels."""
+
+    name = "host_pool"
+
+    def __init__(self, host_pool, device_pool, io_backend: str):
+        self.host_pool, self.device_pool, self.io_backend = host_pool, device_pool, io_backend
+
+    def put(self, slots: torch.Tensor):
+        host_slots = self.host_pool.alloc(len(slots))
+        if host_slots is None:
+            return None
+        self.host_pool.backup_from_device_all_layer(self.device_pool, host_slots, slots, self.io_backend)
+        return host_slots
+
+    def load_layer(self, handle, layer: int, slots: torch.Tensor) -> None:
+        self.host_pool.load_to_device_per_layer(self.device_pool, handle, slots, layer, self.io_backend)
+
+    def drop(self, handle) -> None:
+        self.host_pool.free(handle)
+
+    def tokens(self, handle) -> int:
+        return len(handle)
+
+
 @dataclass
 class _Parked:
     start: int  # row positions [start, start + n) are parked
     n: int
-    keys: list  # per layer [n, H, D] on the host
-    values: list
+    store: object  # TensorStore / HostPoolStore
+    handle: object
 
 
 @dataclass
@@ -54,6 +109,7 @@ class _Load:
 @dataclass
 class ParkingStats:
     parks: int = 0
+    parks_in_host_pool: int = 0
     loads: int = 0
     parked_tokens: int = 0
     loaded_tokens: int = 0
@@ -73,7 +129,8 @@ class ParkingError(RuntimeError):
 class FullKVParking:
     def __init__(self, key_buffer: Callable[[int], torch.Tensor], value_buffer: Callable[[int], torch.Tensor],
                  num_layers: int, req_to_token: torch.Tensor, alloc: Callable[[int], Optional[torch.Tensor]],
-                 free: Callable[[torch.Tensor], None], make_room: Callable[[int], None] = lambda n: None):
+                 free: Callable[[torch.Tensor], None], make_room: Callable[[int], None] = lambda n: None,
+                 host_pool: Optional[HostPoolStore] = None):
         self.key_buffer, self.value_buffer = key_buffer, value_buffer
         self.num_layers = num_layers
         self.req_to_token = req_to_token
@@ -84,6 +141,8 @@ class FullKVParking:
         self.load: Optional[_Load] = None
         self.stats = ParkingStats()
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        self.tensors = TensorStore(key_buffer, value_buffer, num_layers, pin=self.on_cuda)
+        self.host_pool = host_pool
 
     # -- bookkeeping ----------------------------------------------------------------------
     @property
@@ -110,13 +169,17 @@ class FullKVParking:
         if n <= 0:
             return 0
         slots = self.req_to_token[row, start:end].to(torch.int64)
-        pin = self.on_cuda
-        keys = [_to_host(self.key_buffer(layer)[slots], pin) for layer in range(self.num_layers)]
-        values = [_to_host(self.value_buffer(layer)[slots], pin) for layer in range(self.num_layers)]
+        store, handle = self.host_pool, None
+        if store is not None:
+            handle = store.put(slots)
+        if handle is None:  # no host pool, or it is full
+            store, handle = self.tensors, self.tensors.put(slots)
+        else:
+            self.stats.parks_in_host_pool += 1
         if self.on_cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self.free(slots)
-        self.parked[rid] = _Parked(start, n, keys, values)
+        self.parked[rid] = _Parked(start, n, store, handle)
         self.stats.parks += 1
         self.stats.parked_tokens += n
         self.stats.bytes_to_host += self._bytes(n)
@@ -132,11 +195,16 @@ class FullKVParking:
         if not rids:
             return 0
         targets = []
-        for rid in rids:
+        try:
+            for rid in rids:
+                targets.append((rid, self._alloc(self.parked[rid].n, rid).to(torch.int64)))
+        except ParkingError:
+            for _, slots in targets:  # all or nothing: every request stays parked
+                self.free(slots)
+            raise
+        for rid, slots in targets:
             parked = self.parked[rid]
-            slots = self._alloc(parked.n, rid)
             self.req_to_token[rows[rid], parked.start:parked.start + parked.n] = slots.to(self.req_to_token.dtype)
-            targets.append((rid, slots.to(torch.int64)))
         load = _Load(rids, self.num_layers)
         n = sum(self.parked[rid].n for rid in rids)
         self.stats.loads += len(rids)
@@ -162,11 +230,9 @@ class FullKVParking:
         return slots
 
     def _copy_layer(self, layer: int, targets) -> None:
-        k, v = self.key_buffer(layer), self.value_buffer(layer)
         for rid, slots in targets:
             parked = self.parked[rid]
-            k[slots] = parked.keys[layer].to(self.device, non_blocking=True)
-            v[slots] = parked.values[layer].to(self.device, non_blocking=True)
+            parked.store.load_layer(parked.handle, layer, slots)
 
     def _load_on_thread(self, load: _Load, targets) -> None:
         t0 = time.perf_counter()
@@ -216,7 +282,7 @@ class FullKVParking:
         elif self.on_cuda:
             torch.cuda.current_stream(self.device).wait_event(load.done[-1])
         for rid in load.rids:
-            self.parked.pop(rid, None)
+            self._drop(rid)
         if load.error:
             raise ParkingError(f"loading parked full KV failed: {load.error[0]!r}") from load.error[0]
 
@@ -229,8 +295,13 @@ class FullKVParking:
         self.finish()
         return n
 
+    def _drop(self, rid) -> None:
+        parked = self.parked.pop(rid, None)
+        if parked is not None:
+            parked.store.drop(parked.handle)
+
     def discard(self, rid) -> None:
-        self.parked.pop(rid, None)
+        self._drop(rid)
 
     def check_integrity(self) -> None:
         if self.load is not None:
@@ -238,8 +309,9 @@ class FullKVParking:
             if missing:
                 raise AssertionError(f"loading requests without a parked copy: {missing[:4]}")
         for rid, parked in self.parked.items():
-            if len(parked.keys) != self.num_layers or any(k.shape[0] != parked.n for k in parked.keys):
-                raise AssertionError(f"parked copy of {rid!r} has the wrong shape")
+            if parked.store.tokens(parked.handle) != parked.n:
+                raise AssertionError(f"parked copy of {rid!r} holds {parked.store.tokens(parked.handle)} tokens, "
+                                     f"not {parked.n}")
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
