@@ -331,19 +331,12 @@ def _build_worker_class():
             park the rest in host memory (their compressed entries are brought up to date
             first, so the next round drafts without reading it)."""
             parking, budget, resident = self._parking(), self.vc.full_device_budget, 0
-            pool = self.model_runner.token_to_kv_pool
-            req_to_token = self.model_runner.req_to_token_pool.req_to_token
             for req, row, n in zip(batch.reqs, batch.req_pool_indices.tolist(), committed):
                 start = req.kv.cache_protected_len
                 if resident + (n - start) <= budget:
                     resident += n - start
                     continue
-
-                def read_kv(layer_id, lo, hi, row=row):
-                    slots = req_to_token[row, lo:hi].to(torch.int64)
-                    return pool.get_key_buffer(layer_id)[slots], pool.get_value_buffer(layer_id)[slots]
-
-                self.store.sync(req.rid, n, read_kv, compressor=self._plan(req)[0])
+                self.store.sync(req.rid, n, self._kv_reader(row), compressor=self._plan(req)[0])
                 parking.park(req.rid, row, start, n)
             self._park_stats()
 
@@ -446,16 +439,21 @@ def _build_worker_class():
             mask = np.broadcast_to(chain, (bs, n, n)).reshape(-1).copy()
             return tokens.reshape(-1), mask
 
-        def _sync_store(self, batch, verified, plans):
+        def _kv_reader(self, row):
+            """``read_kv(layer, start, end)`` over one request-to-token row of the full pool."""
             pool = self.model_runner.token_to_kv_pool
-            req_to_token = self.model_runner.req_to_token_pool.req_to_token
+            slots_row = self.model_runner.req_to_token_pool.req_to_token[row]
+
+            def read_kv(layer_id, start, end):
+                slots = slots_row[start:end].to(torch.int64)
+                return pool.get_key_buffer(layer_id)[slots], pool.get_value_buffer(layer_id)[slots]
+
+            return read_kv
+
+        def _sync_store(self, batch, verified, plans):
             pool_rows = batch.req_pool_indices.tolist()
             for i, req in enumerate(batch.reqs):
-                slots_row = req_to_token[pool_rows[i]]
-
-                def read_kv(layer_id, start, end, row=slots_row):
-                    slots = row[start:end].to(torch.int64)
-                    return pool.get_key_buffer(layer_id)[slots], pool.get_value_buffer(layer_id)[slots]
+                read_kv = self._kv_reader(pool_rows[i])
 
                 queries = None
                 if req.rid not in self.store:
@@ -999,15 +997,11 @@ def _build_parking(model_runner):
     available size, so SGLang's admission and decode checks never hand them out."""
     from sgl_vericache.mem_cache.full_kv_parking import FullKVParking, ParkingError
 
-    trees = list(_TREE_CACHES)
-    if not trees:
-        raise ParkingError(f"--vericache-full-device-budget needs --radix-cache-backend {RADIX_BACKEND} "
-                           "(its release hooks load a parked request back before SGLang frees it)")
-    tree = trees[0]
+    tree = next(iter(_TREE_CACHES))  # the worker checked at start: backend `vericache`, page size 1
     pool, alloc = model_runner.token_to_kv_pool, model_runner.token_to_kv_pool_allocator
-    if alloc.page_size != 1 or not hasattr(pool, "k_buffer") or tree.supports_mamba() or tree.supports_swa():
-        raise ParkingError("--vericache-full-device-budget supports one-token pages of a plain MHA KV pool "
-                           f"(page size {alloc.page_size}, pool {type(pool).__name__})")
+    if not hasattr(pool, "k_buffer") or tree.supports_mamba() or tree.supports_swa():
+        raise ParkingError(f"--vericache-full-device-budget supports a plain MHA KV pool, not {type(pool).__name__}"
+                           " (hybrid SWA / mamba trees keep other state per token)")
 
     def make_room(n):
         from sglang.srt.mem_cache.common import evict_from_tree_cache
