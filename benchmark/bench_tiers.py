@@ -23,10 +23,11 @@ turn's entry) rather than being compressed again. SGLang loads a hit prefix back
 forward that uses it, and the time that takes on this CPU (``vericache:full_kv_load_seconds``)
 is reported as ``full_kv_load_fraction`` of the VERICACHE arm's time. By default a running
 request's full KV stays on the device, so verify never waits for a load; with
-``--full-device-budget N`` the VERICACHE arm parks requests' own full KV beyond N tokens in
-host memory after each verify and loads it back while the next round drafts
-(``--vericache-full-device-budget``), and ``verify_stall_fraction`` is the share of verify
-time spent waiting for it, with the bytes moved each way.
+``--full-device-budget N`` the VERICACHE arm staggers verifies (``--vericache-full-device-budget``):
+each iteration verifies the requests whose own full KV fits in N tokens, the others draft
+with theirs parked in host memory, loaded back while the drafts of the round they verify in
+run; ``verify_stall_fraction`` is the share of verify time spent waiting for it, with the
+bytes moved each way and the request-iterations deferred.
 
     python benchmark/bench_tiers.py --quick     # 2 agents x 2 turns, 8 tokens
     python benchmark/bench_tiers.py --quick --full-device-budget 0
@@ -50,12 +51,13 @@ from bench_spec import bench_main, check_compressor, first_divergence, make_log,
 TIERS = ("device", "host", "storage")
 PARKING_COUNTERS = ("full_kv_parked_tokens", "full_kv_loaded_tokens", "full_kv_bytes_to_host",
                     "full_kv_bytes_to_device", "full_kv_wait_seconds", "full_kv_copy_seconds", "full_kv_parks",
-                    "full_kv_parks_in_host_pool")
+                    "full_kv_parks_in_host_pool", "deferred_rows", "rounds")
 STALL_NOTE = ("verify never waits for loads: a running request's full KV stays on the device (no async tier "
               "loader yet); the wait is before prefill, reported as full_kv_load_fraction")
-PARKED_NOTE = ("--full-device-budget: requests' own full KV beyond the budget is parked in host memory after "
-               "each verify and copied back layer by layer while the next round drafts; verify_stall_fraction = "
-               "seconds verify waited for a layer / verify seconds (prompts stay on the device)")
+PARKED_NOTE = ("--full-device-budget: verifies staggered so that requests' own full KV on the device per verify "
+               "stays within the budget; the rest draft with theirs parked in host memory, copied back layer by "
+               "layer while the drafts of the round they verify in run; verify_stall_fraction = seconds verify "
+               "waited for a layer / verify seconds (prompts stay on the device)")
 
 
 @dataclass(frozen=True)
@@ -263,7 +265,8 @@ def summary(result: dict) -> str:
                      f"{int(v['full_kv_parked_tokens'])} tokens parked, {int(v['full_kv_loaded_tokens'])} loaded back "
                      f"({v['full_kv_bytes_to_device'] / 1e6:.1f} MB); verify waited {v['full_kv_wait_seconds']:.3f} s "
                      f"of {v['verify_seconds']:.2f} s ({100 * result['verify_stall_fraction']:.1f}%), the copies took "
-                     f"{v['full_kv_copy_seconds']:.3f} s beside the drafts")
+                     f"{v['full_kv_copy_seconds']:.3f} s beside the drafts; {int(v['deferred_rows'])} of "
+                     f"{int(v['deferred_rows'] + v['rounds'])} request-iterations drafted without verifying")
         lines.append(f"speedup {s['speedup']:.2f}x, identical {s['identical']}")
     else:
         lines.append(f"speedup {s['speedup']:.2f}x, identical {s['identical']}; verify stall: {STALL_NOTE}")

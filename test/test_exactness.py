@@ -168,10 +168,11 @@ def vc_engine(default_model_path):
     prefix cache). The reference engine never preempts: outputs must not depend on it."""
     from sgl_vericache.config import VeriCacheConfig
 
-    # A device budget of 64 tokens for requests' own full KV: at batch 4 some requests keep
-    # theirs on the device and the rest are parked in host memory after every verify and
-    # copied back while the next round drafts; at batch 1 a request is parked once it has
-    # generated more than 64 tokens. Both paths run in the tests below.
+    # A device budget of 64 tokens for requests' own full KV: at batch 4, once requests have
+    # generated more than that, verifies are staggered (each iteration verifies the requests
+    # that fit, longest-waiting first; the rest draft with their full KV parked in host
+    # memory, copied back while the drafts of the round they verify in run); at batch 1 the
+    # one request always verifies. Both paths run in the tests below.
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=MAX_DRAFT_LEN, full_device_budget=FULL_BUDGET).to_env()
     with pytest.MonkeyPatch.context() as env:  # read once, when the scheduler starts
         env.setenv("SGLANG_TEST_RETRACT", "1")
@@ -234,6 +235,17 @@ def test_every_compressor_and_draft_len_batch4(reference, vc_engine, default_mod
     outs = run_configs(vc_engine, ids, configs, 128, batch=4)
     accept = check_identical(prompts, configs, outs, ref, batch=4, top2=ref.top2)
     print("mean acceptance length per request:", accept)
+    check_spec_counts(outs)
+
+
+def check_spec_counts(outs):
+    """Per-request spec counters stay consistent when verifies are staggered (rows that
+    drafted without verifying accept 0 tokens and must not count as verifies)."""
+    for out in outs:
+        meta = out["meta_info"]
+        hist = meta["spec_correct_drafts_histogram"]
+        assert sum(hist) == meta["spec_verify_ct"], meta
+        assert sum(k * c for k, c in enumerate(hist)) == meta["spec_num_correct_drafts"], meta
 
 
 def test_preempted_requests_resume_from_their_kept_kv(vc_engine):
@@ -375,11 +387,45 @@ def test_bad_per_request_override_is_refused(vc_engine, default_model_path):
     assert len(good["output_ids"]) == 8
 
 
+def test_streaming_while_verifies_are_staggered(reference, vc_engine, default_model_path):
+    """Three requests stream at once past the 64-token budget, so they take turns verifying:
+    every chunk brings new tokens (an iteration a request only drafted in sends nothing) and
+    the streamed tokens are speculation off's."""
+    import asyncio
+
+    longest = sorted(range(len(reference)), key=lambda i: -len(reference[i]))[:3]
+    assert min(len(reference[i]) for i in longest) > 96, [len(r) for r in reference]
+    ids = [_input_ids(default_model_path, CI_PROMPTS)[i] for i in longest]
+    params = {"max_new_tokens": 128, "temperature": 0}
+    deferred = lambda: vc_engine.get_server_info()["internal_states"][0]["vericache"]["deferred_rows"]  # noqa: E731
+    before = deferred()
+
+    async def stream(prompt):
+        counts, last = [], None
+        async for chunk in await vc_engine.async_generate(input_ids=prompt, sampling_params=params, stream=True):
+            counts.append(chunk["meta_info"]["completion_tokens"])
+            last = chunk
+        return counts, last
+
+    async def both():
+        return await asyncio.gather(*(stream(p) for p in ids))
+
+    results = vc_engine.loop.run_until_complete(both())
+    assert deferred() > before, "the streams should have taken turns verifying"
+    for i, (counts, last) in zip(longest, results):
+        assert all(b > a for a, b in zip(counts, counts[1:])), f"a chunk without new tokens: {counts}"
+        assert counts[-1] == len(reference[i]), (counts[-1], len(reference[i]))
+        if vc_engine.server_args.incremental_streaming_output:
+            continue  # chunks carry only their own tokens; the count check above covers them
+        assert list(last["output_ids"]) == reference[i], f"prompt {i}: streamed tokens differ from speculation off"
+
+
 def test_full_kv_beyond_the_budget_was_parked_and_loaded_back(vc_engine):
     """Runs after the tests above: their requests' own full KV beyond the engine's 64-token
     device budget went to host memory and came back for the next verify (their outputs,
     checked above, are those of speculation off); nothing stays parked once they finished."""
     stats = vc_engine.get_server_info()["internal_states"][0]["vericache"]
+    assert stats["deferred_rows"] > 0, stats  # verifies were staggered: some rows drafted only
     assert stats["full_kv_parked_tokens"] > 0, stats
     assert stats["full_kv_loaded_tokens"] == stats["full_kv_parked_tokens"], stats
     assert stats["full_kv_bytes_to_device"] == stats["full_kv_bytes_to_host"] > 0, stats

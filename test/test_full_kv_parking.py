@@ -171,3 +171,24 @@ def test_a_round_that_cannot_get_slots_for_every_parked_request_takes_none():
         parking.start_loads({"a": 0, "b": 1})
     assert sorted(pool.free_slots) == free_before and parking.is_parked("a") and parking.is_parked("b")
     assert parking.load is None and parking.stats.loads == 0
+
+
+def test_reservation_is_one_rounds_loads_with_a_limit():
+    """Staggered verifies load at most the budget (or one request larger than it) per round,
+    so that is what parked requests keep reserved; without a limit, everything parked."""
+    pool = Pool()
+    for row, n in ((0, 10), (1, 6), (2, 4)):
+        pool.fill_row(row, n)
+    parking = pool.parking()
+    for rid, row, n in (("a", 0, 10), ("b", 1, 6), ("c", 2, 4)):
+        parking.park(rid, row, 0, n)
+    assert parking.reserved_tokens == 20
+    parking.reserve_limit = 12
+    assert parking.reserved_tokens == 12
+    parking.reserve_limit = 0  # one request at a time: the largest
+    assert parking.reserved_tokens == 10
+    parking.start_loads({"a": 0})
+    parking.finish()
+    assert parking.reserved_tokens == 6
+    parking.reserve_limit = 100
+    assert parking.reserved_tokens == 10  # never more than what is parked

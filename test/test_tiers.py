@@ -340,8 +340,9 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     spec = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
                 speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024,
                 radix_cache_backend="vericache")
-    # Device budget 0 for full KV: after every verify, each request's own KV (what it
-    # generated) is parked in host memory and copied back while the next round drafts.
+    # Device budget 0 for full KV: one request verifies per iteration (with any that own no
+    # KV yet); the others draft with their own KV (what they generated) parked in host
+    # memory, copied back while the drafts of the round they verify in run.
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8, full_device_budget=0).to_env()
     t0 = time.monotonic()
     # Both read when B's scheduler starts: SGLang's storage fault injector (a random delay
@@ -370,7 +371,7 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
     assert sum(d.get("host", 0) for _, d in from_files[CONVERSATIONS:]) > 0
     assert len(from_files) == len(reference) == (ROUNDS + 1) * CONVERSATIONS
     assert preempted["requests"] >= 1 and preempted["kept_tokens"] > 0, preempted
-    # every round after a request's first parks what it generated and loads it back
+    # what was parked while a request only drafted was loaded back for its verify
     assert parked["full_kv_loaded_tokens"] == parked["full_kv_parked_tokens"] > 0, parked
     assert parked["full_kv_bytes_to_device"] == parked["full_kv_bytes_to_host"] > 0, parked
     assert parked["full_kv_parks_in_host_pool"] > 0, parked  # HiCache's host pool holds them

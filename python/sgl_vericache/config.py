@@ -61,9 +61,11 @@ class VeriCacheConfig:
         "every engine, speculation on or off; off = SGLang's behaviour (recompute).")
     full_device_budget: int = _opt(
         -1, "Tokens of running requests' own full KV (what they generated; their prompts stay in SGLang's radix "
-        "tree) kept on the device between verify rounds; the rest is parked in host memory after each verify "
-        "and copied back layer by layer while the next round drafts, verify waiting per layer. 0 = every "
-        "verify loads from host; -1 = off. Needs --radix-cache-backend vericache (set for you) and page size 1.",
+        "tree) on the device per verify. Verifies are staggered: each iteration verifies the requests that fit "
+        "(longest-waiting first, at least one); the others draft with their full KV parked in host memory, "
+        "copied back layer by layer while the drafts of the round they verify in run, verify waiting per layer. "
+        "0 = one request verifies per iteration, loading from host; -1 = off. Needs --radix-cache-backend "
+        "vericache (set for you) and page size 1.",
         min=-1, max=1 << 40,
     )
     compressor_options: str = _opt(

@@ -47,6 +47,7 @@ def register_all() -> None:
     _install_draft_weights()
     _install_weight_update_hook()
     _install_internal_state()
+    _install_deferred_rows()
     from sgl_vericache.config import VeriCacheConfig
 
     vc = VeriCacheConfig.from_env() or VeriCacheConfig()
@@ -242,6 +243,8 @@ def _build_worker_class():
             self.stats = _Stats(get_observability().enable_metrics)
             self.draft_weights = _build_draft_weights(self.vc.draft_weights, self.model_runner)
             self.parking = None  # FullKVParking, built at the first round when a budget is set
+            self._waited = {}  # rid -> rounds in a row it drafted without verifying (staggered verifies)
+            self._deferred = ()  # batch rows that draft but do not verify this round
             if self.vc.full_device_budget >= 0:
                 _check_parking_args(get_memory().radix_cache_backend, self.page_size)
             _install_verify_sampler()
@@ -312,40 +315,57 @@ def _build_worker_class():
             finally:
                 _ACTIVE_WORKER = None
                 self._round = None
+                deferred, self._deferred = set(self._deferred), ()
+                self._verify_backend.skip_rows = ()
                 if self.parking is not None:
                     self.parking.finish()
             if is_round and result.accept_lens is not None:
-                self.stats.verified(time.perf_counter() - t0, result.accept_lens.tolist())
-                if self.vc.full_device_budget >= 0:
-                    self._park(batch, result.new_seq_lens.tolist())
+                lens = result.accept_lens.tolist()
+                self.stats.verified(time.perf_counter() - t0, [n for i, n in enumerate(lens) if i not in deferred])
+                self.stats.add("deferred_rows", len(deferred))
+                for i, req in enumerate(batch.reqs):
+                    self._waited[req.rid] = self._waited.get(req.rid, 0) + 1 if i in deferred else 0
             self.stats.end_iteration()
             return result
 
         def _parking(self):
             if self.parking is None:
                 self.parking = _build_parking(self.model_runner)
+                self.parking.reserve_limit = self.vc.full_device_budget
             return self.parking
 
-        def _park(self, batch, committed):
-            """After verify: keep at most the budget of requests' own full KV on the device;
-            park the rest in host memory (their compressed entries are brought up to date
-            first, so the next round drafts without reading it)."""
-            parking, budget, resident = self._parking(), self.vc.full_device_budget, 0
-            for req, row, n in zip(batch.reqs, batch.req_pool_indices.tolist(), committed):
-                start = req.kv.cache_protected_len
-                if resident + (n - start) <= budget:
-                    resident += n - start
-                    continue
-                self.store.sync(req.rid, n, self._kv_reader(row), compressor=self._plan(req)[0])
-                parking.park(req.rid, row, start, n)
-            self._park_stats()
+        def _verifying_rows(self, batch, verified):
+            """Staggered verifies under a full-KV device budget: which rows verify this
+            round. Requests that waited longest go first; one verifies when its own full KV
+            (``[cache_protected_len, verified)``) fits in what is left of the budget, and the
+            first always does, so every round makes progress and no request starves. The
+            others draft, stay parked and emit nothing this round. Without a budget, and in
+            batches that return logprobs or follow a grammar (SGLang's bookkeeping for those
+            expects a token per row), every row verifies."""
+            bs = len(batch.reqs)
+            if self.vc.full_device_budget < 0 or batch.return_logprob or batch.has_grammar:
+                return [True] * bs
+            own = [n - req.kv.cache_protected_len for req, n in zip(batch.reqs, verified)]
+            order = sorted(range(bs), key=lambda i: -self._waited.get(batch.reqs[i].rid, 0))
+            left, chosen = self.vc.full_device_budget, [False] * bs
+            for k, i in enumerate(order):
+                if k == 0 or own[i] <= left:
+                    chosen[i] = True
+                    left = max(0, left - own[i])
+            return chosen
 
-        def _unpark(self, batch):
-            """At a round's start: parked requests get slots again and their KV starts
-            copying back while the drafts run; verify waits per layer."""
-            if self.parking is not None and self.parking.parked:
-                self.parking.start_loads(dict(zip([r.rid for r in batch.reqs], batch.req_pool_indices.tolist())))
-                self._park_stats()
+        def _stage_full_kv(self, batch, verified, verifying):
+            """At a round's start (compressed entries already synced): park the own full KV
+            of rows that do not verify this round, give the parked rows that do their slots
+            back and start copying their KV in, layer by layer, while the drafts run;
+            verify waits per layer."""
+            parking = self._parking()
+            rows = batch.req_pool_indices.tolist()
+            for i, req in enumerate(batch.reqs):
+                if not verifying[i] and not parking.is_parked(req.rid):
+                    parking.park(req.rid, rows[i], req.kv.cache_protected_len, verified[i])
+            parking.start_loads({req.rid: rows[i] for i, req in enumerate(batch.reqs) if verifying[i]})
+            self._park_stats()
 
         def _park_stats(self):
             s = self.parking.stats
@@ -370,6 +390,7 @@ def _build_worker_class():
                 self.store.release(rid)
                 self._plans.pop(rid, None)
                 self._queries.pop(rid, None)
+                self._waited.pop(rid, None)
 
         def _plan(self, req):
             """(compressor, draft_len) for a request; bad overrides abort it with a 400."""
@@ -426,13 +447,17 @@ def _build_worker_class():
             departed = self._prev_decode_rids - {req.rid for req in batch.reqs}
             if departed:
                 self._release_departed(departed)
-            self._unpark(batch)
             self._sync_store(batch, verified, plans)
+            verifying = self._verifying_rows(batch, verified)
+            if self.vc.full_device_budget >= 0:
+                self._stage_full_kv(batch, verified, verifying)
+            self._deferred = tuple(i for i, v in enumerate(verifying) if not v)
+            self._verify_backend.skip_rows = frozenset(self._deferred)
             roots = [_last_token(req) for req in batch.reqs]
             steps = max(draft_len for _, draft_len in plans)
             t0 = time.perf_counter()
             drafts = self._draft(batch, roots, verified, steps)  # [bs, steps]
-            self.stats.drafted(time.perf_counter() - t0, sum(d for _, d in plans))
+            self.stats.drafted(time.perf_counter() - t0, sum(d for (_, d), v in zip(plans, verifying) if v))
             drafts = _pad_drafts(drafts, [draft_len for _, draft_len in plans], n - 1)
             tokens = np.concatenate([np.asarray(roots, dtype=np.int64)[:, None], drafts], axis=1)
             chain = np.tril(np.ones((n, n), dtype=bool))
@@ -664,6 +689,7 @@ def _make_verify_backend(model_runner, deterministic=False):
             self.capture = None  # rid -> {layer_id: queries}, set per extend batch
             self.capture_rids = None
             self.deterministic = deterministic
+            self.skip_rows = ()  # rows deferred this round (staggered verifies): no attention
 
         def __getattr__(self, name):
             return getattr(self.inner, name)
@@ -701,6 +727,9 @@ def _verify_attention(backend, q, layer, forward_batch):
     tree = _verify_tree_mask(forward_batch, bs, n, q.device)  # [bs, n, n]
     out = q.new_empty((bs, n, hq, dv))
     for b in range(bs):
+        if b in backend.skip_rows:  # its full KV stays parked; its logits are not used
+            out[b] = 0
+            continue
         prefix = seq_lens[b]
         slots = req_to_token[rows[b], : prefix + n].to(torch.int64)
         keys, values = k_cache[slots], v_cache[slots]  # [prefix + n, H_kv, D]
@@ -948,6 +977,66 @@ def _time_full_kv_loads() -> None:
 
 
 _PREEMPTED = [0, 0]  # [requests, tokens] a preempted request left in the radix tree (this process)
+
+
+def _install_deferred_rows() -> None:
+    """Staggered verifies leave some rows of a decode iteration without a verify: they
+    accept 0 tokens (no bonus). SGLang's spec result processing assumes at least one per
+    row; for such a row (and only for it) this keeps its verify count and draft-acceptance
+    histogram as they were, skips the finish checks (nothing new to check: an EOS or stop
+    string cannot appear without a token; a pending abort still finishes it) and sends no
+    empty stream chunk."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
+    resolve = SchedulerBatchResultProcessor._resolve_spec_v2_tokens
+    if getattr(resolve, "_vericache", False):
+        return
+    histogram = Req.update_spec_correct_drafts_histogram
+    finish_state = Req.update_finish_state
+    stream = SchedulerOutputStreamer.stream_output
+
+    def _resolve_spec_v2_tokens(self, result, batch):
+        lens = result.accept_lens.tolist()
+        deferred = [i for i, (req, n) in enumerate(zip(batch.reqs, lens))
+                    if n == 0 and not (req.is_retracted or req.finished())]
+        tokens = resolve(self, result, batch)
+        for i in deferred:
+            req = batch.reqs[i]
+            req.spec_verify_ct -= 1
+            req.spec_num_correct_drafts -= result.num_correct_drafts_per_req_cpu[i]
+            req.vericache_deferred = True
+            result.num_correct_drafts -= result.num_correct_drafts_per_req_cpu[i]
+            result.num_correct_drafts_per_req_cpu[i] = 0
+        return tokens
+
+    def update_spec_correct_drafts_histogram(self, num_correct_drafts):
+        if num_correct_drafts >= 0:
+            histogram(self, num_correct_drafts)
+
+    def update_finish_state(self, new_accepted_len=1):
+        if new_accepted_len == 0 and getattr(self, "vericache_deferred", False) and not self.to_finish:
+            return
+        finish_state(self, new_accepted_len)
+
+    def stream_output(self, reqs, return_logprob, *args, **kwargs):
+        if any(getattr(req, "vericache_deferred", False) for req in reqs):
+            sent = []
+            for req in reqs:
+                if getattr(req, "vericache_deferred", False):
+                    req.vericache_deferred = False
+                    if not req.finished():
+                        continue
+                sent.append(req)
+            reqs = sent
+        return stream(self, reqs, return_logprob, *args, **kwargs)
+
+    _resolve_spec_v2_tokens._vericache = True
+    SchedulerBatchResultProcessor._resolve_spec_v2_tokens = _resolve_spec_v2_tokens
+    Req.update_spec_correct_drafts_histogram = update_spec_correct_drafts_histogram
+    Req.update_finish_state = update_finish_state
+    SchedulerOutputStreamer.stream_output = stream_output
 
 
 def _install_keep_preempted_kv() -> None:
@@ -1519,6 +1608,7 @@ def _install_verify_sampler() -> None:
     """NGRAM's verify calls ``eagle_sample``, which on CPU always commits argmax. For a
     VERICACHE batch that samples, acceptance goes to the worker instead; everything else
     (greedy batches, other algorithms) keeps SGLang's function."""
+    import torch
     from sglang.srt.speculative import ngram_worker
 
     original = ngram_worker.eagle_sample
@@ -1528,8 +1618,15 @@ def _install_verify_sampler() -> None:
     def eagle_sample(verify_input, batch, logits_output, grammar_mask=None, *args, **kwargs):
         worker = _ACTIVE_WORKER
         if worker is None or worker._round is None or batch.sampling_info.is_all_greedy:
-            return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
-        return worker.verify_sample(verify_input, batch, logits_output, grammar_mask)
+            out = original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
+        else:
+            out = worker.verify_sample(verify_input, batch, logits_output, grammar_mask)
+        if worker is not None and worker._deferred:  # rows that did not verify accept nothing
+            _, accept_lens, accept_index = out
+            rows = torch.tensor(worker._deferred, dtype=torch.int64, device=accept_lens.device)
+            accept_lens[rows] = 0
+            accept_index[rows] = -1
+        return out
 
     eagle_sample._vericache = True
     ngram_worker.eagle_sample = eagle_sample
@@ -1709,21 +1806,23 @@ class _Stats:
     counters on SGLang's /metrics (``vericache:*``); always kept as plain totals too."""
 
     NAMES = {
-        "rounds": "Verify rounds (one per request per iteration)",
-        "drafted_tokens": "Draft tokens proposed (each request's own draft length)",
+        "rounds": "Verify rounds (one per request per iteration that verified it)",
+        "deferred_rows": "Request-iterations that drafted but did not verify: staggered verifies kept their "
+                         "full KV parked (--vericache-full-device-budget)",
+        "drafted_tokens": "Draft tokens proposed to verify (each request's own draft length)",
         "accepted_tokens": "Draft tokens accepted by verify",
         "emitted_tokens": "Tokens emitted by verify rounds (accepted + bonus)",
         "draft_seconds": "Wall time spent drafting over compressed KV",
         "verify_seconds": "Wall time of verify passes incl. acceptance and KV commit",
         "full_kv_load_seconds": "Seconds spent loading full KV from the host tier before a forward "
                                 "(CPU device pool: the forward waits for all of it)",
-        "full_kv_parked_tokens": "Tokens of running requests' full KV parked in host memory after a verify "
+        "full_kv_parked_tokens": "Tokens of running requests' full KV parked in host memory at a round's start "
                                  "(--vericache-full-device-budget)",
         "full_kv_loaded_tokens": "Parked tokens copied back to the device for a verify",
         "full_kv_bytes_to_host": "Bytes of full KV parked in host memory",
         "full_kv_bytes_to_device": "Bytes of parked full KV copied back to the device",
         "full_kv_wait_seconds": "Seconds verify waited for parked full KV still being copied back",
-        "full_kv_parks": "Requests parked after a verify (one per request per round)",
+        "full_kv_parks": "Requests parked at a round's start because they do not verify in it",
         "full_kv_parks_in_host_pool": "Requests parked in HiCache's host KV pool (the rest: in tensors of "
                                       "VeriCache's own, when there is no host pool or it is full)",
         "full_kv_copy_seconds": "Seconds the background copies of parked full KV back to the device took "

@@ -1,28 +1,30 @@
-"""Full KV parked in host memory between verify rounds, loaded back layer by layer while
-the next round drafts.
+"""Full KV parked in host memory while a request only drafts, loaded back layer by layer
+while the drafts of the round it verifies in run.
 
 Drafting reads a request's compressed entry only; its full KV is needed at verify. With a
 device budget for full KV (``--vericache-full-device-budget``), the worker parks the
-request-owned part of a running request's full KV after each verify (copied to host
-memory, its device slots freed) and, when the next round starts, allocates slots again
-and starts copying it back on a background thread (CPU) or a side stream (CUDA), one
-layer at a time, while the drafts run. Verify waits per layer: the attention of layer l
-starts once layer l is back.
+request-owned part of a running request's full KV at the start of a round it does not
+verify in (copied to host memory, its device slots freed) and, at the start of the round it
+verifies in, allocates slots again and starts copying it back on a background thread (CPU)
+or a side stream (CUDA), one layer at a time, while the drafts run. Verify waits per layer:
+the attention of layer l starts once layer l is back.
 
 Which part: the tokens a request owns (``[cache_protected_len, committed)``, in practice
 what it generated); its prompt is owned by SGLang's radix tree, shared with other requests
-and locked while the request runs, so it stays on the device. Every request verifies every
-round here (verifies are not staggered), so every parked token comes back each round and
-its slots stay reserved meanwhile: this is the loader the memory win needs, not the win
-itself (that needs only some requests verifying per iteration while the rest draft).
+and locked while the request runs, so it stays on the device. Verifies are staggered: a
+round verifies only the requests whose own full KV fits in the budget (those that waited
+longest first); the others draft and stay parked. So at most about the budget comes back
+per round, and ``reserve_limit`` caps what parked requests hold reserved meanwhile.
 
 Where parked KV lives: SGLang's HiCache host pool when the engine has one
 (``HostPoolStore``: its slots, its device<->host copy kernels), else tensors of its own
 (``TensorStore``, pinned on CUDA); a request that does not fit in the host pool falls back
 to tensors. The class knows nothing else of SGLang: it is given the pool's per-layer
 buffers, the request-to-slot table, and alloc / free callables. ``reserved_tokens`` is what parked
-requests will take back; the adapter subtracts it from the allocator's available size so
-the scheduler never promises those slots to anyone else.
+requests may take back at once (all of it, or with ``reserve_limit`` set, at most
+``max(reserve_limit, the largest parked request)``: one round's loads); the adapter
+subtracts it from the allocator's available size so the scheduler never promises those
+slots to anyone else.
 """
 
 from __future__ import annotations
@@ -143,11 +145,16 @@ class FullKVParking:
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.tensors = TensorStore(key_buffer, value_buffer, num_layers, pin=self.on_cuda)
         self.host_pool = host_pool
+        self.reserve_limit: Optional[int] = None  # tokens one round loads at most (None: all parked)
 
     # -- bookkeeping ----------------------------------------------------------------------
     @property
     def reserved_tokens(self) -> int:
-        return sum(p.n for p in self.parked.values())
+        sizes = [p.n for p in self.parked.values()]
+        total = sum(sizes)
+        if self.reserve_limit is None or not sizes:
+            return total
+        return min(total, max(self.reserve_limit, max(sizes)))
 
     def is_parked(self, rid) -> bool:
         return rid in self.parked
