@@ -213,6 +213,31 @@ def test_pad_drafts_fills_the_verify_width():
     assert out.tolist() == [[5, 5, 5, 5, 5], [8, 9, 10, 10, 10]]
 
 
+def test_narrow_rows_keeps_only_the_drafting_rows():
+    """Staggered verifies: the draft pass runs over the rows that verify this round only."""
+    import dataclasses
+
+    from sgl_vericache.sglang_adapter import _narrow_rows
+
+    @dataclasses.dataclass
+    class FB:  # the shape of SGLang's ForwardBatch that matters here
+        batch_size: int
+        req_pool_indices: torch.Tensor
+        seq_lens: torch.Tensor
+        seq_lens_cpu: torch.Tensor
+        seq_lens_sum: int
+        rids: list
+        weights: torch.Tensor  # not per row: left alone
+        scalar: torch.Tensor
+
+    fb = FB(4, torch.tensor([7, 8, 9, 10]), torch.tensor([3, 4, 5, 6]), torch.tensor([3, 4, 5, 6]), 18,
+            ["a", "b", "c", "d"], torch.ones(2, 4), torch.tensor(1.0))
+    _narrow_rows(fb, [1, 3], 4)
+    assert fb.batch_size == 2 and fb.seq_lens_sum == 10
+    assert fb.req_pool_indices.tolist() == [8, 10] and fb.seq_lens.tolist() == [4, 6] and fb.rids == ["b", "d"]
+    assert fb.weights.shape == (2, 4) and fb.scalar.item() == 1.0
+
+
 def test_cpu_stand_in_serves_ops_and_refuses_unknown_ones():
     code = (
         "import sgl_kernel, torch\n"

@@ -511,14 +511,21 @@ def _build_worker_class():
             bs = len(batch.reqs)
             if self._draft_backend is None:
                 self._draft_backend = _make_draft_backend(self.model_runner, self.store)
-            self.store.begin_round([req.rid for req in batch.reqs], steps)
+            info = batch.sampling_info
+            # Rows deferred this round (staggered verifies) draft nothing when the batch is
+            # greedy; a sampled round keeps every row (its draws are per batch row).
+            keep = list(range(bs))
+            if self._deferred and info.is_all_greedy:
+                keep = [i for i in keep if i not in set(self._deferred)]
+            self.store.begin_round([batch.reqs[i].rid for i in keep], steps)
             fb = ForwardBatch.init_new(batch, self.model_runner, return_hidden_states_before_norm=False)
             fb.forward_mode = ForwardMode.DECODE
             fb.out_cache_loc = None
-            tokens = torch.tensor(roots, dtype=torch.int64, device=self.device)
-            base = torch.tensor(verified, dtype=torch.int64, device=self.device)
-            out = torch.empty((bs, steps), dtype=torch.int64)
-            info = batch.sampling_info
+            if len(keep) < bs:
+                _narrow_rows(fb, keep, bs)
+            tokens = torch.tensor([roots[i] for i in keep], dtype=torch.int64, device=self.device)
+            base = torch.tensor([verified[i] for i in keep], dtype=torch.int64, device=self.device)
+            out = torch.empty((len(keep), steps), dtype=torch.int64)
             self._round = None if info.is_all_greedy else _SampledRound(self, batch)
             global _DRAFT_WEIGHTS, _DRAFTING
             _DRAFT_WEIGHTS, _DRAFTING = self.draft_weights, True
@@ -527,7 +534,11 @@ def _build_worker_class():
                     self._draft_steps(fb, tokens, base, out, steps)
             finally:
                 _DRAFT_WEIGHTS, _DRAFTING = None, False
-            return out.numpy()
+            if len(keep) == bs:
+                return out.numpy()
+            drafts = np.repeat(np.asarray(roots, dtype=np.int64)[:, None], steps, axis=1)  # deferred: unused
+            drafts[keep] = out.numpy()
+            return drafts
 
         def _draft_steps(self, fb, tokens, base, out, steps):
             for step in range(steps):
@@ -543,6 +554,27 @@ def _build_worker_class():
                 out[:, step] = tokens.cpu()
 
     return VeriCacheWorker
+
+
+def _narrow_rows(fb, keep: list, bs: int) -> None:
+    """A decode ForwardBatch of ``bs`` rows -> the rows ``keep``, in place: every per-row
+    tensor and list (leading dimension ``bs``) is indexed, ``batch_size`` and
+    ``seq_lens_sum`` follow. For the draft passes, whose attention reads only the
+    compressed entries (row order: the store's round)."""
+    import dataclasses
+
+    import torch
+
+    idx = torch.tensor(keep, dtype=torch.int64)
+    for f in dataclasses.fields(fb):
+        value = getattr(fb, f.name)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == bs:
+            setattr(fb, f.name, value[idx.to(value.device)])
+        elif isinstance(value, list) and len(value) == bs:
+            setattr(fb, f.name, [value[i] for i in keep])
+    fb.batch_size = len(keep)
+    if fb.seq_lens_cpu is not None:
+        fb.seq_lens_sum = int(fb.seq_lens_cpu.sum())
 
 
 def _build_draft_weights(mode: str, model_runner):
