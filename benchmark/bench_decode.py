@@ -86,12 +86,6 @@ class DecodeEngine(EngineProc):
         self.proc = ctx.Process(target=_decode_engine_main, args=(child, model_path, env, engine_kw))
         self.proc.start()
 
-    def vericache_state(self) -> dict | None:
-        """The worker's counters and gauges as ``/server_info`` reports them (no metrics
-        needed); None for an engine without VERICACHE."""
-        self.conn.send(("state",))
-        return self._reply()
-
     def server_state(self) -> dict:
         """``/server_info``'s ``internal_states[0]`` (any engine)."""
         self.conn.send(("info",))

@@ -51,6 +51,8 @@ sys.path.insert(0, str(ROOT / "test"))
 from prompts import prompt_set  # noqa: E402
 
 COMPRESSORS = ("full", "kivi4", "kivi2", "int8", "fp8", "streamingllm", "snapkv", "h2o", "quest")
+STATE_COUNTERS = ("rounds", "deferred_rows", "draft_seconds", "verify_seconds", "full_kv_parked_tokens",
+                  "full_kv_loaded_tokens", "full_kv_wait_seconds")
 ENGINE_KW = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, dtype="float32",
                  max_total_tokens=8192, log_level="warning", sleep_on_idle=True, random_seed=0)
 
@@ -65,6 +67,7 @@ class BenchConfig:
     num_prompts: int = 0  # 0: every prompt of the set; else its first num_prompts
     ratio: float = 4.0
     batch: int = 1
+    full_device_budget: int = -1  # VERICACHE arm's --vericache-full-device-budget (staggered verifies); -1 off
     out: str = "benchmark/results/spec.json"
 
 
@@ -98,6 +101,12 @@ class EngineProc:
     def generate(self, input_ids, sampling_params) -> tuple[list[dict], float]:
         """(outputs, seconds the engine's generate call took, timed inside the child)."""
         self.conn.send(("generate", input_ids, sampling_params))
+        return self._reply()
+
+    def vericache_state(self) -> dict:
+        """The engine's VeriCache counters and gauges as ``/server_info`` reports them (no
+        metrics needed); {} (bench_decode's child: None) for an engine without VERICACHE."""
+        self.conn.send(("state",))
         return self._reply()
 
     def shutdown(self) -> None:
@@ -136,7 +145,10 @@ def _engine_main(conn, model_path: str, env: dict, engine_kw: dict) -> None:
         return
     conn.send(("ready", None))
     try:
-        while (msg := conn.recv())[0] == "generate":
+        while (msg := conn.recv())[0] in ("generate", "state"):
+            if msg[0] == "state":
+                conn.send(("ok", engine.get_server_info()["internal_states"][0].get("vericache", {})))
+                continue
             try:
                 t0 = time.perf_counter()
                 outs = engine.generate(input_ids=msg[1], sampling_params=msg[2])
@@ -149,15 +161,17 @@ def _engine_main(conn, model_path: str, env: dict, engine_kw: dict) -> None:
         engine.shutdown()
 
 
-def start_engines(model_path: str, max_draft_len: int) -> tuple[EngineProc, EngineProc]:
+def start_engines(model_path: str, max_draft_len: int, full_device_budget: int = -1) -> tuple[EngineProc, EngineProc]:
     from sgl_vericache.config import VeriCacheConfig
 
     env = {"SGLANG_USE_CPU_ENGINE": "1"}
     off = EngineProc(model_path, env)
-    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=max_draft_len).to_env()  # read by the child
+    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=max_draft_len,
+                    full_device_budget=full_device_budget).to_env()  # read by the child
+    parking = {"radix_cache_backend": "vericache"} if full_device_budget >= 0 else {}
     spec = EngineProc(model_path, env, speculative_algorithm="VERICACHE",
                       speculative_num_draft_tokens=max_draft_len + 1, speculative_ngram_max_bfs_breadth=1,
-                      disable_overlap_schedule=True)
+                      disable_overlap_schedule=True, **parking)
     for engine in (off, spec):
         engine.wait_ready()
     return off, spec
@@ -246,9 +260,12 @@ def run_block(engines, ids, ref_ids, cfg: BenchConfig, compressor: str, log, off
     off_same = sum(first_divergence(r["output_ids"], ref) is None for r, ref in zip(off_records, ref_ids))
     rows = []
     for draft_len in cfg.draft_lens:
+        before = spec.vericache_state()
         m = spec_metrics(generate(spec, ids, cfg, compressor, draft_len), ref_ids, draft_len)
+        after = spec.vericache_state()
         row = {"compressor": compressor, "ratio": cfg.ratio, "draft_len": draft_len, **m,
-               "off_tok_s": off_tok_s, "tok_s_ratio": m["tok_s"] / off_tok_s, "off_repeat_identical": off_same}
+               "off_tok_s": off_tok_s, "tok_s_ratio": m["tok_s"] / off_tok_s, "off_repeat_identical": off_same,
+               "vericache_counters": {k: after[k] - before.get(k, 0) for k in STATE_COUNTERS if k in after}}
         rows.append(row)
         log(f"{compressor:>12} d={draft_len:<2} acc_len {m['mean_acc_len']:5.2f}  acc_rate {m['acc_rate']:.3f}  "
             f"tok/verify {m['tokens_per_verify']:5.2f}  tok/s {m['tok_s']:5.2f} vs off {off_tok_s:5.2f} "
@@ -265,7 +282,7 @@ def run(cfg: BenchConfig, model_path: str, save) -> dict:
     ids = chat_ids(model_path, prompts)
     log(f"{cfg.mode}: {len(ids)} prompts x {cfg.max_new_tokens} tokens (batch {cfg.batch}), compressors "
         f"{list(cfg.compressors)}, draft lens {list(cfg.draft_lens)}; starting two engines")
-    engines = start_engines(model_path, max(cfg.draft_lens))
+    engines = start_engines(model_path, max(cfg.draft_lens), cfg.full_device_budget)
     try:
         t_up = time.time()
         log(f"engines up in {t_up - t_start:.0f} s; warm-up, then the off arm's reference run")
@@ -386,11 +403,17 @@ def parse_args() -> tuple[BenchConfig, str]:
     p.add_argument("--prompts-per-category", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--batch", type=int, default=None, help="concurrent requests per generate call (default 1)")
+    p.add_argument("--full-device-budget", type=int, default=None,
+                   help="the VERICACHE arm's --vericache-full-device-budget in tokens (staggered verifies; "
+                        "default -1: off)")
     p.add_argument("--replot", action="store_true", help="only redraw the PNG and summary from an existing --out JSON")
     a = p.parse_args()
+    if a.full_device_budget is not None and a.full_device_budget < -1:
+        p.error(f"--full-device-budget {a.full_device_budget}: must be -1 (off) or a token count >= 0")
     cfg = PRESETS[a.mode or "full"]
     overrides = {"out": a.out, "prompts_per_category": a.prompts_per_category,
                  "max_new_tokens": a.max_new_tokens, "batch": a.batch,
+                 "full_device_budget": a.full_device_budget,
                  "compressors": tuple(a.compressors.split(",")) if a.compressors else None,
                  "draft_lens": tuple(int(d) for d in a.draft_lens.split(",")) if a.draft_lens else None}
     overrides = {k: v for k, v in overrides.items() if v is not None}
