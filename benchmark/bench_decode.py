@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -44,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_spec import (COMPRESSORS, ENGINE_KW, ROOT, EngineProc, bench_main, first_divergence,  # noqa: E402
-                        make_log, provenance)
+from bench_spec import (COMPRESSORS, ENGINE_KW, ROOT, EngineProc, _start_child, bench_main,  # noqa: E402
+                        first_divergence, make_log, provenance)
 from prompts import CODE, TOOL, messages  # noqa: E402  (bench_spec put test/ on sys.path)
 
 MODEL_MAX_LEN = 8192  # SmolLM2's max_position_embeddings
@@ -81,10 +80,7 @@ class DecodeEngine(EngineProc):
     """``bench_spec.EngineProc`` whose child also returns the VeriCache counter deltas."""
 
     def __init__(self, model_path: str, env: dict, **engine_kw):  # noqa: super().__init__ would start bench_spec's child
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_engine_main, args=(child, model_path, env, engine_kw))
-        self.proc.start()
+        self._start(_decode_engine_main, model_path, env, engine_kw)
 
     def server_state(self) -> dict:
         """``/server_info``'s ``internal_states[0]`` (any engine)."""
@@ -92,10 +88,10 @@ class DecodeEngine(EngineProc):
         return self._reply()
 
 
-def _decode_engine_main(conn, model_path: str, env: dict, engine_kw: dict) -> None:
+def _decode_engine_main(conn, model_path: str, env: dict, engine_kw: dict, forked: bool = False) -> None:
     import traceback
 
-    os.environ.update(env)
+    _start_child(env, forked)
     try:
         from sglang.srt.entrypoints.engine import Engine
 

@@ -81,3 +81,28 @@ def test_bench_tiers_reports_the_verify_stall_of_parked_full_kv():
            "verify_stall_fraction": None}
     bt.summarize_arms(off)
     assert off["verify_stall_fraction"] is None
+
+
+_CONTEXTS = """
+import os, sys
+sys.path.insert(0, {bench!r})
+import bench_spec
+print(bench_spec.engine_context({{"SGLANG_USE_CPU_ENGINE": "1"}}).get_start_method(),
+      bench_spec.engine_context({{}}).get_start_method(),
+      bench_spec.engine_context({{"SGLANG_TEST_RETRACT": "1"}}).get_start_method())
+"""
+
+
+@pytest.mark.parametrize("spawn_env, expected", [(None, "fork fork spawn"), ("1", "spawn spawn spawn")])
+def test_engines_are_forked_only_where_the_import_saw_their_environment(spawn_env, expected):
+    """The benchmarks fork engines from a parent that imported SGLang once; an engine whose
+    environment SGLang would have read differently at that import is spawned."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VERICACHE_BENCH_SPAWN", "SGLANG_TEST_RETRACT")}
+    if spawn_env:
+        env["VERICACHE_BENCH_SPAWN"] = spawn_env
+    out = subprocess.run([sys.executable, "-c", _CONTEXTS.format(bench=str(BENCH))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == expected
