@@ -52,8 +52,8 @@ TIERS = ("device", "host", "storage")
 PARKING_COUNTERS = ("full_kv_parked_tokens", "full_kv_loaded_tokens", "full_kv_bytes_to_host",
                     "full_kv_bytes_to_device", "full_kv_wait_seconds", "full_kv_copy_seconds", "full_kv_parks",
                     "full_kv_parks_in_host_pool", "deferred_rows", "rounds")
-STALL_NOTE = ("verify never waits for loads: a running request's full KV stays on the device (no async tier "
-              "loader yet); the wait is before prefill, reported as full_kv_load_fraction")
+STALL_NOTE = ("verify never waits for loads: without --full-device-budget a running request's full KV stays on "
+              "the device; the wait is before prefill, reported as full_kv_load_fraction")
 PARKED_NOTE = ("--full-device-budget: verifies staggered so that requests' own full KV on the device per verify "
                "stays within the budget; the rest draft with theirs parked in host memory, copied back layer by "
                "layer while the drafts of the round they verify in run; verify_stall_fraction = seconds verify "
