@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "test"))
 from prompts import prompt_set  # noqa: E402
 
 COMPRESSORS = ("full", "kivi4", "kivi2", "int8", "fp8", "streamingllm", "snapkv", "h2o", "quest")
-STATE_COUNTERS = ("rounds", "deferred_rows", "draft_seconds", "verify_seconds", "full_kv_parked_tokens",
+STATE_COUNTERS = ("rounds", "deferred_rows", "verify_rows_skipped", "draft_seconds", "verify_seconds", "full_kv_parked_tokens",
                   "full_kv_loaded_tokens", "full_kv_wait_seconds")
 ENGINE_KW = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, dtype="float32",
                  max_total_tokens=8192, log_level="warning", sleep_on_idle=True, random_seed=0)

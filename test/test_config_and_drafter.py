@@ -238,6 +238,34 @@ def test_narrow_rows_keeps_only_the_drafting_rows():
     assert fb.weights.shape == (2, 4) and fb.scalar.item() == 1.0
 
 
+def test_narrow_rows_of_a_verify_batch_keeps_each_rows_tokens():
+    """The verify forward of a staggered round: per-row fields by row, per-token fields
+    (``width`` tokens a row: ids, positions, write slots) by the kept rows' tokens, and the
+    count of real tokens follows."""
+    import dataclasses
+
+    from sgl_vericache.sglang_adapter import _narrow_rows
+
+    @dataclasses.dataclass
+    class FB:
+        batch_size: int
+        seq_lens: torch.Tensor
+        seq_lens_cpu: torch.Tensor
+        seq_lens_sum: int
+        input_ids: torch.Tensor
+        out_cache_loc: torch.Tensor
+        num_token_non_padded: torch.Tensor
+
+    width = 3  # 4 rows x 3 tokens; row r's tokens are 10r, 10r+1, 10r+2
+    ids = torch.tensor([10 * r + j for r in range(4) for j in range(width)])
+    fb = FB(4, torch.tensor([3, 4, 5, 6]), torch.tensor([3, 4, 5, 6]), 18, ids, ids + 100, torch.tensor(12))
+    _narrow_rows(fb, [0, 2], 4, width)
+    assert fb.batch_size == 2 and fb.seq_lens.tolist() == [3, 5] and fb.seq_lens_sum == 8
+    assert fb.input_ids.tolist() == [0, 1, 2, 20, 21, 22]
+    assert fb.out_cache_loc.tolist() == [100, 101, 102, 120, 121, 122]
+    assert int(fb.num_token_non_padded) == 6
+
+
 def test_cpu_stand_in_serves_ops_and_refuses_unknown_ones():
     code = (
         "import sgl_kernel, torch\n"

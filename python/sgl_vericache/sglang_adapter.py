@@ -248,6 +248,8 @@ def _build_worker_class():
             if self.vc.full_device_budget >= 0:
                 _check_parking_args(get_memory().radix_cache_backend, self.page_size)
             _install_verify_sampler()
+            if self.vc.full_device_budget >= 0:
+                _install_narrowed_verify(self)
             _LIVE_WORKERS.add(self)
 
         def check_integrity(self):
@@ -556,25 +558,87 @@ def _build_worker_class():
     return VeriCacheWorker
 
 
-def _narrow_rows(fb, keep: list, bs: int) -> None:
-    """A decode ForwardBatch of ``bs`` rows -> the rows ``keep``, in place: every per-row
-    tensor and list (leading dimension ``bs``) is indexed, ``batch_size`` and
-    ``seq_lens_sum`` follow. For the draft passes, whose attention reads only the
-    compressed entries (row order: the store's round)."""
+def _narrow_rows(fb, keep: list, bs: int, width: int = 1) -> None:
+    """A decode (``width`` 1) or target-verify (``width`` tokens a row) ForwardBatch of ``bs``
+    rows -> the rows ``keep``, in place: every per-row tensor and list (leading dimension
+    ``bs``) and every per-token tensor (leading dimension ``bs * width``: input ids,
+    positions, KV write slots) is indexed, ``batch_size``, ``seq_lens_sum`` and the count of
+    real tokens follow. The draft passes narrow to the rows that verify (their attention
+    reads only the compressed entries, row order: the store's round); the verify forward
+    too (``_narrowed_verify_forward``)."""
     import dataclasses
 
     import torch
 
     idx = torch.tensor(keep, dtype=torch.int64)
+    tok = (idx[:, None] * width + torch.arange(width)).reshape(-1)
     for f in dataclasses.fields(fb):
         value = getattr(fb, f.name)
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == bs:
             setattr(fb, f.name, value[idx.to(value.device)])
+        elif width > 1 and isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == bs * width:
+            setattr(fb, f.name, value[tok.to(value.device)])
         elif isinstance(value, list) and len(value) == bs:
             setattr(fb, f.name, [value[i] for i in keep])
     fb.batch_size = len(keep)
     if fb.seq_lens_cpu is not None:
         fb.seq_lens_sum = int(fb.seq_lens_cpu.sum())
+    real = getattr(fb, "num_token_non_padded", None)
+    if isinstance(real, torch.Tensor) and real.dim() == 0:
+        fb.num_token_non_padded = torch.tensor(len(keep) * width, dtype=real.dtype, device=real.device)
+    if getattr(fb, "num_token_non_padded_cpu", None) is not None:
+        fb.num_token_non_padded_cpu = len(keep) * width
+
+
+def _install_narrowed_verify(worker) -> None:
+    """Staggered verifies: run a greedy round's verify forward over the rows that verify
+    only. A deferred row's logits are never used (it accepts 0 tokens), so projections,
+    MLP and LM head over its draft block were wasted work. SGLang builds the verify
+    ForwardBatch inside its worker, so the model runner's ``forward`` is wrapped for this
+    worker's runner: a target-verify batch with deferred rows is run as a narrowed copy,
+    and the logits are laid back out over every row (deferred rows' left at 0). Sampled
+    rounds (their draws are per batch row), logprob batches (no deferred rows there) and
+    CUDA-graph runners (fixed shapes) run whole."""
+    import copy
+
+    import torch
+
+    runner = worker.model_runner
+    original = runner.forward
+    graphs = not getattr(worker.server_args, "disable_cuda_graph", True)
+
+    def forward(forward_batch, *args, **kwargs):
+        deferred = worker._deferred
+        if (not deferred or graphs or not forward_batch.forward_mode.is_target_verify()
+                or not forward_batch.sampling_info.is_all_greedy):
+            return original(forward_batch, *args, **kwargs)
+        bs = forward_batch.batch_size
+        width = forward_batch.input_ids.shape[0] // bs
+        skipped = set(deferred)
+        keep = [i for i in range(bs) if i not in skipped]
+        narrow = copy.copy(forward_batch)
+        _narrow_rows(narrow, keep, bs, width)
+        mask = getattr(forward_batch.spec_info, "custom_mask", None)
+        if mask is not None and mask.numel() == bs * width * width:
+            narrow.spec_info = copy.copy(forward_batch.spec_info)
+            narrow.spec_info.custom_mask = mask.reshape(bs, -1)[torch.tensor(keep, device=mask.device)].reshape(-1)
+        backend = worker._verify_backend
+        skip, backend.skip_rows = backend.skip_rows, ()  # row numbers of the whole batch
+        try:
+            out = original(narrow, *args, **kwargs)
+        finally:
+            backend.skip_rows = skip
+        logits = out.logits_output
+        rows = torch.tensor(keep, device=logits.next_token_logits.device)
+        for name, value in list(vars(logits).items()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == len(keep) * width:
+                whole = value.new_zeros((bs, width) + tuple(value.shape[1:]))
+                whole[rows] = value.reshape((len(keep), width) + tuple(value.shape[1:]))
+                setattr(logits, name, whole.reshape((bs * width,) + tuple(value.shape[1:])))
+        worker.stats.add("verify_rows_skipped", len(deferred))
+        return out
+
+    runner.forward = forward
 
 
 def _build_draft_weights(mode: str, model_runner):
@@ -1841,6 +1905,8 @@ class _Stats:
         "rounds": "Verify rounds (one per request per iteration that verified it)",
         "deferred_rows": "Request-iterations that drafted but did not verify: staggered verifies kept their "
                          "full KV parked (--vericache-full-device-budget)",
+        "verify_rows_skipped": "Deferred rows left out of a greedy round's verify forward (no projections, "
+                               "MLP or LM head for them)",
         "drafted_tokens": "Draft tokens proposed to verify (each request's own draft length)",
         "accepted_tokens": "Draft tokens accepted by verify",
         "emitted_tokens": "Tokens emitted by verify rounds (accepted + bonus)",
