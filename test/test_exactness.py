@@ -180,7 +180,8 @@ def vc_engine(default_model_path):
         engine = _engine(default_model_path, speculative_algorithm="VERICACHE",
                          speculative_num_draft_tokens=MAX_DRAFT_LEN + 1,
                          speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True,
-                         radix_cache_backend="vericache")
+                         radix_cache_backend="vericache",
+                         decode_log_interval=1)  # SGLang's accept-length totals, current at every step
     yield engine
     engine.shutdown()
 
@@ -428,6 +429,12 @@ def test_full_kv_beyond_the_budget_was_parked_and_loaded_back(vc_engine):
     assert stats["deferred_rows"] > 0, stats  # verifies were staggered: some rows drafted only
     # greedy rounds left their deferred rows out of the verify forward (sampled ones keep them)
     assert 0 < stats["verify_rows_skipped"] <= stats["deferred_rows"], stats
+    # SGLang's own server-level accept length counts a deferred row as no verify (tokens per
+    # verify, as ours); counting it as one would give emitted / (rounds + deferred rows)
+    sglang_accept = vc_engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
+    ours = stats["emitted_tokens"] / stats["rounds"]
+    assert sglang_accept == pytest.approx(ours, rel=0.02), (sglang_accept, ours, stats)
+    assert sglang_accept > stats["emitted_tokens"] / (stats["rounds"] + stats["deferred_rows"]) * 1.02
     assert stats["full_kv_parked_tokens"] > 0, stats
     assert stats["full_kv_loaded_tokens"] == stats["full_kv_parked_tokens"], stats
     assert stats["full_kv_bytes_to_device"] == stats["full_kv_bytes_to_host"] > 0, stats

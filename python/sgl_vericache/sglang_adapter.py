@@ -1081,10 +1081,13 @@ def _install_deferred_rows() -> None:
     row; for such a row (and only for it) this keeps its verify count and draft-acceptance
     histogram as they were, skips the finish checks (nothing new to check: an EOS or stop
     string cannot appear without a token; a pending abort still finishes it) and sends no
-    empty stream chunk."""
+    empty stream chunk; SGLang's server-level accept length (``avg_spec_accept_length``, the
+    decode log) and generated-token count (throughput) count it as no verify and no token."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+    from sglang.srt.managers.scheduler_components.metrics_reporter import SchedulerMetricsReporter
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+    from sglang.srt.managers.utils import GenerationBatchResult
 
     resolve = SchedulerBatchResultProcessor._resolve_spec_v2_tokens
     if getattr(resolve, "_vericache", False):
@@ -1092,6 +1095,8 @@ def _install_deferred_rows() -> None:
     histogram = Req.update_spec_correct_drafts_histogram
     finish_state = Req.update_finish_state
     stream = SchedulerOutputStreamer.stream_output
+    spec_metrics = SchedulerMetricsReporter.update_spec_metrics
+    generated = GenerationBatchResult.get_num_generated_tokens
 
     def _resolve_spec_v2_tokens(self, result, batch):
         lens = result.accept_lens.tolist()
@@ -1105,7 +1110,18 @@ def _install_deferred_rows() -> None:
             req.vericache_deferred = True
             result.num_correct_drafts -= result.num_correct_drafts_per_req_cpu[i]
             result.num_correct_drafts_per_req_cpu[i] = 0
+        # read just after by get_num_generated_tokens and update_spec_metrics, both handed the
+        # whole batch size (SGLang counts a bonus token and a verify per row)
+        result.vericache_deferred = self.metrics_reporter.vericache_deferred = len(deferred)
         return tokens
+
+    def get_num_generated_tokens(self, batch_size):
+        return generated(self, batch_size - getattr(self, "vericache_deferred", 0))
+
+    def update_spec_metrics(self, bs, *args, **kwargs):
+        bs -= getattr(self, "vericache_deferred", 0)
+        self.vericache_deferred = 0
+        spec_metrics(self, bs, *args, **kwargs)
 
     def update_spec_correct_drafts_histogram(self, num_correct_drafts):
         if num_correct_drafts >= 0:
@@ -1133,6 +1149,8 @@ def _install_deferred_rows() -> None:
     Req.update_spec_correct_drafts_histogram = update_spec_correct_drafts_histogram
     Req.update_finish_state = update_finish_state
     SchedulerOutputStreamer.stream_output = stream_output
+    SchedulerMetricsReporter.update_spec_metrics = update_spec_metrics
+    GenerationBatchResult.get_num_generated_tokens = get_num_generated_tokens
 
 
 def _install_keep_preempted_kv() -> None:
