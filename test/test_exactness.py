@@ -285,9 +285,15 @@ def test_seeded_sampling_is_token_identical(reference, vc_engine, default_model_
     # asks for (draft lengths are the greedy test's job).
     configs = [("kivi4", 4), ("h2o", 4), ("quest", 4), ("kivi2", 4)]
     params = [_with_vc(p, c, d) for p, (c, d) in zip(SEEDED, configs)]
+    before = _vericache_state(vc_engine)
     outs = vc_engine.generate(input_ids=ids, sampling_params=params)
     accept = check_identical(CI_PROMPTS[:4], configs, outs, reference.extra["seeded"], batch=4)
     print("seeded mean acceptance length per request:", accept)
+    after = _vericache_state(vc_engine)
+    # past the 64-token budget the sampled rounds were staggered too: deferred rows drafted
+    # nothing and were left out of the verify forward
+    assert after["deferred_rows"] > before["deferred_rows"], (before, after)
+    assert after["verify_rows_skipped"] - before["verify_rows_skipped"] == after["deferred_rows"] - before["deferred_rows"]
 
 
 def test_stop_conditions_inside_drafts(reference, vc_engine, default_model_path):
@@ -311,7 +317,9 @@ def test_unseeded_sampling_runs_and_differs_across_requests(vc_engine, default_m
     of the rule itself is test_accept.py's statistical test."""
     ids = _input_ids(default_model_path, CI_PROMPTS[:1]) * 2
     params = [_with_vc({"max_new_tokens": 48, "temperature": 0.8, "ignore_eos": True}, "kivi4", 16)] * 2
+    before = _vericache_state(vc_engine)["deferred_rows"]
     outs = vc_engine.generate(input_ids=ids, sampling_params=params)
+    assert _vericache_state(vc_engine)["deferred_rows"] > before  # rejection rows staggered too
     assert all(len(o["output_ids"]) == 48 for o in outs)
     assert outs[0]["output_ids"] != outs[1]["output_ids"]
     assert all(o["meta_info"]["spec_accept_length"] > 1.5 for o in outs), [o["meta_info"] for o in outs]

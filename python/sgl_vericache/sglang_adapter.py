@@ -514,11 +514,9 @@ def _build_worker_class():
             if self._draft_backend is None:
                 self._draft_backend = _make_draft_backend(self.model_runner, self.store)
             info = batch.sampling_info
-            # Rows deferred this round (staggered verifies) draft nothing when the batch is
-            # greedy; a sampled round keeps every row (its draws are per batch row).
-            keep = list(range(bs))
-            if self._deferred and info.is_all_greedy:
-                keep = [i for i in keep if i not in set(self._deferred)]
+            # Rows deferred this round (staggered verifies) draft nothing.
+            deferred = set(self._deferred)
+            keep = [i for i in range(bs) if i not in deferred]
             self.store.begin_round([batch.reqs[i].rid for i in keep], steps)
             fb = ForwardBatch.init_new(batch, self.model_runner, return_hidden_states_before_norm=False)
             fb.forward_mode = ForwardMode.DECODE
@@ -528,7 +526,7 @@ def _build_worker_class():
             tokens = torch.tensor([roots[i] for i in keep], dtype=torch.int64, device=self.device)
             base = torch.tensor([verified[i] for i in keep], dtype=torch.int64, device=self.device)
             out = torch.empty((len(keep), steps), dtype=torch.int64)
-            self._round = None if info.is_all_greedy else _SampledRound(self, batch)
+            self._round = None if info.is_all_greedy else _SampledRound(self, batch, keep)
             global _DRAFT_WEIGHTS, _DRAFTING
             _DRAFT_WEIGHTS, _DRAFTING = self.draft_weights, True
             try:
@@ -591,14 +589,13 @@ def _narrow_rows(fb, keep: list, bs: int, width: int = 1) -> None:
 
 
 def _install_narrowed_verify(worker) -> None:
-    """Staggered verifies: run a greedy round's verify forward over the rows that verify
-    only. A deferred row's logits are never used (it accepts 0 tokens), so projections,
+    """Staggered verifies: run a round's verify forward over the rows that verify only. A deferred row's logits are never used (it accepts 0 tokens), so projections,
     MLP and LM head over its draft block were wasted work. SGLang builds the verify
     ForwardBatch inside its worker, so the model runner's ``forward`` is wrapped for this
     worker's runner: a target-verify batch with deferred rows is run as a narrowed copy,
-    and the logits are laid back out over every row (deferred rows' left at 0). Sampled
-    rounds (their draws are per batch row), logprob batches (no deferred rows there) and
-    CUDA-graph runners (fixed shapes) run whole."""
+    and the logits are laid back out over every row (deferred rows' left at 0, never
+    sampled). Logprob batches (no deferred rows there) and CUDA-graph runners (fixed
+    shapes) run whole."""
     import copy
 
     import torch
@@ -609,8 +606,7 @@ def _install_narrowed_verify(worker) -> None:
 
     def forward(forward_batch, *args, **kwargs):
         deferred = worker._deferred
-        if (not deferred or graphs or not forward_batch.forward_mode.is_target_verify()
-                or not forward_batch.sampling_info.is_all_greedy):
+        if not deferred or graphs or not forward_batch.forward_mode.is_target_verify():
             return original(forward_batch, *args, **kwargs)
         bs = forward_batch.batch_size
         width = forward_batch.input_ids.shape[0] // bs
@@ -1790,10 +1786,11 @@ class _SampledRound:
     and are verified by speculative rejection sampling: the output is distributed exactly
     as non-speculative sampling."""
 
-    def __init__(self, worker, batch):
+    def __init__(self, worker, batch, rows):
         from sgl_vericache.spec.accept import sampling_probs
 
         self.worker = worker
+        self.rows = rows  # the batch rows that draft, in the order of the draft logits
         self.info = batch.sampling_info
         self._sampling_probs = sampling_probs
         greedy = (self.info.top_ks.view(-1) == 1).tolist()
@@ -1804,22 +1801,23 @@ class _SampledRound:
         self.q_steps = []  # per step: [bs, V] draft distributions (rejection rows; others unused)
 
     def draw(self, logits, positions):
+        """One draft step: ``logits`` [drafting rows, V] -> their tokens. The draft
+        distributions are kept by batch row ([bs, V]; rows that do not draft stay 0)."""
         import torch
 
-        bs = logits.shape[0]
-        tokens = torch.empty(bs, dtype=torch.int64)
-        match_rows = [i for i, m in enumerate(self.matched) if m]
-        rej_rows = [i for i, m in enumerate(self.matched) if not m]
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+        match = [j for j, r in enumerate(self.rows) if self.matched[r]]
+        reject = [j for j, r in enumerate(self.rows) if not self.matched[r]]
         q = None
-        if match_rows:
-            idx = torch.tensor(match_rows)
-            info = _RowView(self.info, idx)
-            tokens[idx] = _sampler_draw(self.worker.model_runner.sampler, logits[idx], info, 1, positions[idx])
-        if rej_rows:
-            idx = torch.tensor(rej_rows)
-            q = torch.zeros(logits.shape, dtype=torch.float32)
-            q[idx] = self._probs(logits[idx], idx, 1)
-            tokens[idx] = torch.multinomial(q[idx], 1, generator=self.worker._rng).view(-1)
+        if match:
+            local, rows = torch.tensor(match), torch.tensor([self.rows[j] for j in match])
+            tokens[local] = _sampler_draw(self.worker.model_runner.sampler, logits[local],
+                                          _RowView(self.info, rows), 1, positions[local])
+        if reject:
+            local, rows = torch.tensor(reject), torch.tensor([self.rows[j] for j in reject])
+            q = torch.zeros((len(self.matched), logits.shape[1]), dtype=torch.float32)
+            q[rows] = self._probs(logits[local], rows, 1)
+            tokens[local] = torch.multinomial(q[rows], 1, generator=self.worker._rng).view(-1)
         self.q_steps.append(q)
         return tokens
 
@@ -1874,14 +1872,15 @@ def _sample_verify(worker, verify_input, batch, logits_output, grammar_mask):
     tokens = torch.full((bs, n), -1, dtype=torch.int64)
     max_accept = torch.full((bs,), n - 1, dtype=torch.int64)
 
-    match_rows = [i for i, m in enumerate(rnd.matched) if m]
+    deferred = set(worker._deferred)  # staggered verifies: rows that accept nothing this round
+    match_rows = [i for i, m in enumerate(rnd.matched) if m and i not in deferred]
     if match_rows:
         idx = torch.tensor(match_rows)
         targets = _sampler_draw(worker.model_runner.sampler, logits[idx].reshape(len(idx) * n, -1),
                                 _RowView(info, idx), n, positions[idx].reshape(-1)).view(len(idx), n)
         k, toks = chain_match(candidates[idx], targets.cpu(), max_accept[idx])
         num_acc[idx], tokens[idx] = k, toks
-    rej_rows = [i for i, m in enumerate(rnd.matched) if not m]
+    rej_rows = [i for i, m in enumerate(rnd.matched) if not m and i not in deferred]
     if rej_rows:
         idx = torch.tensor(rej_rows)
         r = len(rej_rows)
@@ -1904,6 +1903,8 @@ def _sample_verify(worker, verify_input, batch, logits_output, grammar_mask):
     predict = torch.zeros(bs * n, dtype=torch.int32)
     accept_index = torch.full((bs, n), -1, dtype=torch.int32)
     for b in range(bs):
+        if b in deferred:  # eagle_sample's wrapper gives it accept length 0
+            continue
         k = int(num_acc[b])
         rows = torch.arange(b * n, b * n + k + 1)
         accept_index[b, : k + 1] = rows.to(torch.int32)
