@@ -109,6 +109,20 @@ def tool_turns(tok):
 
 SHARED_PARAMS = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 
+# Two prompts no other test sends (raw text, no chat template), each longer than the
+# VERICACHE engine's 64-token budget, for the test that their requests park their prompts.
+FRESH_PARAMS = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+FRESH_TEXTS = [
+    "Release notes, version 4.2 of the tile cache daemon. The eviction thread now wakes on memory pressure "
+    "instead of polling every second, which cut idle CPU use by a third on the test fleet. Writes to the "
+    "journal are batched per shard, and a torn journal entry is detected by its checksum and skipped. "
+    "Known issue: a shard that is resized while a compaction runs may report stale sizes until the next scan.",
+    "Field log, day nine. We left the upper camp before dawn and followed the moraine to the second lake, "
+    "where the ice had retreated almost two hundred metres since last season. The water samples from the "
+    "outflow were cloudy, so we filtered twice and labelled them by depth. In the afternoon the wind turned "
+    "and we measured the snow line on the north face with the laser before the cloud came down.",
+]
+
 
 def shared_prefix_prompts(tok, ids):
     """Three prompts that share one long prefix (a CI prompt and the start of a tool
@@ -143,7 +157,9 @@ def _extra_references(model_path, ids):
                 "stopped": [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in stopped],
                 "conversation": conversation(engine, ids[2], tool_turns(tok), CONVERSATION_TOKENS),
                 "shared": [(p, engine.generate(input_ids=p, sampling_params=SHARED_PARAMS)["output_ids"])
-                           for p in shared_prefix_prompts(tok, ids)]}
+                           for p in shared_prefix_prompts(tok, ids)],
+                "fresh": [(p, engine.generate(input_ids=p, sampling_params=FRESH_PARAMS)["output_ids"])
+                          for p in (tok(t)["input_ids"] for t in FRESH_TEXTS)]}
 
     return extra
 
@@ -427,6 +443,28 @@ def test_streaming_while_verifies_are_staggered(reference, vc_engine, default_mo
         if vc_engine.server_args.incremental_streaming_output:
             continue  # chunks carry only their own tokens; the count check above covers them
         assert list(last["output_ids"]) == reference[i], f"prompt {i}: streamed tokens differ from speculation off"
+
+
+def test_running_requests_park_their_prompts(reference, vc_engine):
+    """Under the budget a running request's prompt is its own (SGLang's radix tree gets it
+    when the request leaves), so it is parked with the rest of its KV between verifies: two
+    requests with prompts the tree has never seen, each over the budget, arrive together,
+    take turns verifying, and each park moves at least the parked request's prompt."""
+    fresh = reference.extra["fresh"]
+    prompts = [p for p, _ in fresh]
+    assert min(len(p) for p in prompts) > FULL_BUDGET, [len(p) for p in prompts]
+    before = _vericache_state(vc_engine)
+    outs = vc_engine.generate(input_ids=prompts, sampling_params=[FRESH_PARAMS] * len(prompts))
+    for i, (out, (_, expected)) in enumerate(zip(outs, fresh)):
+        idx = first_divergence(out["output_ids"], expected)
+        assert idx is None, f"fresh prompt {i}: first divergent index {idx}"
+    after = _vericache_state(vc_engine)
+    parks = after["full_kv_parks"] - before["full_kv_parks"]
+    parked = after["full_kv_parked_tokens"] - before["full_kv_parked_tokens"]
+    # each park holds the request's prompt (less a first token or two another request may
+    # have left in the tree) and what it has generated (at most 24 tokens: not enough alone)
+    assert parks > 0 and parked >= parks * (min(len(p) for p in prompts) - 4), (parks, parked, before, after)
+    assert after["full_kv_loaded_tokens"] - before["full_kv_loaded_tokens"] == parked
 
 
 def test_full_kv_beyond_the_budget_was_parked_and_loaded_back(vc_engine):

@@ -341,8 +341,9 @@ def test_multi_turn_exact_with_host_file_and_mooncake_tiers(default_model_path, 
                 speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024,
                 radix_cache_backend="vericache")
     # Device budget 0 for full KV: one request verifies per iteration (with any that own no
-    # KV yet); the others draft with their own KV (what they generated) parked in host
-    # memory, copied back while the drafts of the round they verify in run.
+    # KV yet); the others draft with their own KV (their prompt beyond the tree's prefix and
+    # what they generated) parked in host memory, copied back while the drafts of the round
+    # they verify in run.
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8, full_device_budget=0).to_env()
     t0 = time.monotonic()
     # Both read when B's scheduler starts: SGLang's storage fault injector (a random delay

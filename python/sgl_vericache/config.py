@@ -60,8 +60,8 @@ class VeriCacheConfig:
         "host tier once evicted, instead of recomputing them; its compressed entry is kept as well. For "
         "every engine, speculation on or off; off = SGLang's behaviour (recompute).")
     full_device_budget: int = _opt(
-        -1, "Tokens of running requests' own full KV (what they generated; their prompts stay in SGLang's radix "
-        "tree) on the device per verify. Verifies are staggered: each iteration verifies the requests that fit "
+        -1, "Tokens of running requests' own full KV (their prompts and what they generated, less a prefix "
+        "SGLang's radix tree already held when they arrived) on the device per verify. Verifies are staggered: each iteration verifies the requests that fit "
         "(longest-waiting first, at least one); the others draft with their full KV parked in host memory, "
         "copied back layer by layer while the drafts of the round they verify in run, verify waiting per layer. "
         "0 = one request verifies per iteration, loading from host; -1 = off. Needs --radix-cache-backend "

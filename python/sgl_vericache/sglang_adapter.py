@@ -1177,6 +1177,7 @@ def _install_keep_preempted_kv() -> None:
                 and not req.skip_radix_cache_insert and getattr(req, "session_id", None) is None):
             before = req.kv.cache_protected_len
             req.refresh_fill_ids()
+            req.vericache_releasing = True  # a release's insert, also under a full-KV budget
             tree_cache.checkpoint(req, up_to=req.owned_kv_len())
             _PREEMPTED[0] += 1
             _PREEMPTED[1] += max(0, req.kv.cache_protected_len - before)
@@ -1260,16 +1261,35 @@ def vericache_radix_cache_class():
     import torch
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+    from sgl_vericache.config import VeriCacheConfig
+
     class VeriCacheRadixCache(UnifiedRadixCache):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             _TREE_CACHES.add(self)
+            # Under a full-KV device budget a running request's prompt stays its own: see checkpoint().
+            self.prompts_owned = (VeriCacheConfig.from_env() or VeriCacheConfig()).full_device_budget >= 0
 
         def claim_kv_row(self, req):
+            # SGLang's release of a request's row starts here (it finished, was aborted or
+            # preempted); a checkpoint that follows is the release's insert.
             _load_parked(req)
+            req.vericache_releasing = True
             return super().claim_kv_row(req)
 
         def checkpoint(self, req, *, up_to, **kwargs):
+            """SGLang publishes a running request's prefill into the tree after each extend
+            (so concurrent requests can share it) and locks it there. Under
+            ``--vericache-full-device-budget`` that publish is skipped: the prompt's computed
+            KV stays the request's own, so between its verifies it is parked in host memory
+            with the rest of its KV instead of pinning device memory in the tree. It enters
+            the tree when the request leaves (finished, aborted or preempted), as generated
+            tokens always do; a prefix already in the tree when the request arrived is
+            shared as before. Cost: requests running at the same time do not share each
+            other's prompts."""
+            releasing = req.__dict__.pop("vericache_releasing", False)
+            if self.prompts_owned and not releasing and not req.finished():
+                return  # SGLang's caller moves the request's prefix_len on, published or not
             _load_parked(req)
             return super().checkpoint(req, up_to=up_to, **kwargs)
 
