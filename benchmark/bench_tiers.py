@@ -57,7 +57,7 @@ STALL_NOTE = ("verify never waits for loads: without --full-device-budget a runn
 PARKED_NOTE = ("--full-device-budget: verifies staggered so that requests' own full KV on the device per verify "
                "stays within the budget; the rest draft with theirs parked in host memory, copied back layer by "
                "layer while the drafts of the round they verify in run; verify_stall_fraction = seconds verify "
-               "waited for a layer / verify seconds (prompts stay on the device)")
+               "waited for a layer / verify seconds (prompts are parked too, less a prefix the radix tree held when the request arrived)")
 
 
 @dataclass(frozen=True)
