@@ -11,8 +11,10 @@ back), a host tier ``--host-ratio`` times the device pool, and the ``file`` stor
 The trace: ``conversations`` agents share one system prompt (tool descriptions); each turn
 appends a user request and a tool result (code and tool-call transcript, ~``tool_tokens``)
 to that agent's history, and the agents take turns, so every turn's prompt is its own
-conversation so far. Both arms get the same prompts (history grows with arm A's answers);
-each turn runs A then B back to back.
+conversation so far; with ``--agents-at-once K`` a turn's requests of K agents go to the
+engine together (one generate call; wall time and counters shared out evenly over them).
+Both arms get the same prompts (history grows with arm A's answers); each group runs on A
+then on B back to back.
 
 Per arm: decode throughput (output tokens / generate wall time, prefill included: the
 loads are part of the cost), prefix hit ratio (cached / prompt tokens) and hits per tier
@@ -27,10 +29,11 @@ request's full KV stays on the device, so verify never waits for a load; with
 each iteration verifies the requests whose own full KV fits in N tokens, the others draft
 with theirs parked in host memory, loaded back while the drafts of the round they verify in
 run; ``verify_stall_fraction`` is the share of verify time spent waiting for it, with the
-bytes moved each way and the request-iterations deferred.
+bytes moved each way and the request-iterations deferred. A request alone always verifies,
+so the budget needs ``--agents-at-once`` > 1 to park anything.
 
     python benchmark/bench_tiers.py --quick     # 2 agents x 2 turns, 8 tokens
-    python benchmark/bench_tiers.py --quick --full-device-budget 0
+    python benchmark/bench_tiers.py --quick --full-device-budget 0 --agents-at-once 2
     python benchmark/bench_tiers.py --out benchmark/results/tiers.json
 """
 
@@ -73,6 +76,7 @@ class TiersConfig:
     draft_len: int = 8
     full_device_budget: int = dataclasses.field(default=-1, metadata={"min": -1})  # VERICACHE arm's
     # --vericache-full-device-budget (tokens; -1 = off)
+    agents_at_once: int = 1  # a turn's requests of this many agents go to the engine together
     out: str = "benchmark/results/tiers.json"
 
 
@@ -145,41 +149,52 @@ def run(cfg: TiersConfig, model_path: str, save) -> dict:
                       "turns": []}
             chats = [[{"role": "system", "content": system_prompt()}] for _ in range(cfg.conversations)]
             tool_blocks = max(1, cfg.tool_tokens // 120)
+            params = {"max_new_tokens": cfg.max_new_tokens, "temperature": 0}
             for turn in range(cfg.turns):
-                for agent, chat in enumerate(chats):
-                    start = (agent * cfg.turns + turn) * tool_blocks
-                    chat.append({"role": "user", "content": f"Task {turn}: fix the clamp helpers below, then check "
-                                 f"the weather where the next flight lands.\nTool result:\n"
-                                 + filler_text(start + tool_blocks)[len(filler_text(start)):]})
-                    ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
-                    params = {"max_new_tokens": cfg.max_new_tokens, "temperature": 0}
-                    row = {"agent": agent, "turn": turn, "prompt_tokens": len(ids)}
+                for first in range(0, cfg.conversations, cfg.agents_at_once):
+                    group = list(range(first, min(first + cfg.agents_at_once, cfg.conversations)))
+                    prompts = []
+                    for agent in group:
+                        start = (agent * cfg.turns + turn) * tool_blocks
+                        chats[agent].append({
+                            "role": "user", "content": f"Task {turn}: fix the clamp helpers below, then check "
+                            f"the weather where the next flight lands.\nTool result:\n"
+                            + filler_text(start + tool_blocks)[len(filler_text(start)):]})
+                        prompts.append(tok.apply_chat_template(chats[agent], add_generation_prompt=True,
+                                                               tokenize=True, return_dict=False))
+                    rows = [{"agent": agent, "turn": turn, "prompt_tokens": len(ids), "batch": len(group)}
+                            for agent, ids in zip(group, prompts)]
                     for arm, engine in (("off", off), ("vericache", spec)):
                         state = engine.vericache_state() if arm == "vericache" else None
-                        outs, seconds, _ = engine.generate([ids], params)
-                        meta = outs[0]["meta_info"]
-                        details = meta.get("cached_tokens_details") or {}
-                        row[arm] = {"seconds": seconds, "completion_tokens": meta["completion_tokens"],
-                                    "cached_tokens": meta.get("cached_tokens", 0),
-                                    **{f"{t}_hit_tokens": details.get(t, 0) for t in TIERS},
-                                    "output_ids": outs[0]["output_ids"],
-                                    "spec_accept_length": meta.get("spec_accept_length")}
-                        if state is not None:
-                            after = engine.vericache_state()
-                            row[arm]["compressed_prefix_hit_tokens"] = int(
-                                after["compressed_prefix_hit_tokens"] - state["compressed_prefix_hit_tokens"])
-                            row[arm]["compressed_prefix_bytes"] = int(after["compressed_prefix_bytes"])
-                            for name in PARKING_COUNTERS + ("full_kv_load_seconds", "verify_seconds"):
-                                row[arm][name] = after.get(name, 0) - state.get(name, 0)
-                    row["identical"] = first_divergence(row["vericache"]["output_ids"], row["off"]["output_ids"]) is None
-                    chat.append({"role": "assistant",
-                                 "content": tok.decode(row["off"]["output_ids"], skip_special_tokens=True)})
-                    result["turns"].append(row)
-                    log(f"agent {agent} turn {turn}: {len(ids)} prompt tokens; "
-                        + "; ".join(f"{arm} {row[arm]['seconds']:.2f} s, hits "
-                                    + "/".join(str(row[arm][f'{t}_hit_tokens']) for t in TIERS)
-                                    for arm in ("off", "vericache"))
-                        + f"; identical {row['identical']}")
+                        outs, seconds, _ = engine.generate(prompts, [params] * len(prompts))
+                        after = engine.vericache_state() if state is not None else None
+                        for row, out in zip(rows, outs):
+                            meta = out["meta_info"]
+                            details = meta.get("cached_tokens_details") or {}
+                            # a group's wall time and counters, shared out evenly over its requests
+                            row[arm] = {"seconds": seconds / len(rows), "completion_tokens": meta["completion_tokens"],
+                                        "cached_tokens": meta.get("cached_tokens", 0),
+                                        **{f"{t}_hit_tokens": details.get(t, 0) for t in TIERS},
+                                        "output_ids": out["output_ids"],
+                                        "spec_accept_length": meta.get("spec_accept_length")}
+                            if after is not None:
+                                row[arm]["compressed_prefix_hit_tokens"] = (
+                                    after["compressed_prefix_hit_tokens"] - state["compressed_prefix_hit_tokens"]) / len(rows)
+                                row[arm]["compressed_prefix_bytes"] = int(after["compressed_prefix_bytes"])
+                                for name in PARKING_COUNTERS + ("full_kv_load_seconds", "verify_seconds"):
+                                    row[arm][name] = (after.get(name, 0) - state.get(name, 0)) / len(rows)
+                    for agent, row in zip(group, rows):
+                        row["identical"] = first_divergence(row["vericache"]["output_ids"],
+                                                            row["off"]["output_ids"]) is None
+                        chats[agent].append({"role": "assistant",
+                                             "content": tok.decode(row["off"]["output_ids"], skip_special_tokens=True)})
+                        result["turns"].append(row)
+                        log(f"agent {agent} turn {turn}: {row['prompt_tokens']} prompt tokens"
+                            + (f" ({len(group)} agents at once)" if len(group) > 1 else "") + "; "
+                            + "; ".join(f"{arm} {row[arm]['seconds']:.2f} s, hits "
+                                        + "/".join(str(row[arm][f'{t}_hit_tokens']) for t in TIERS)
+                                        for arm in ("off", "vericache"))
+                            + f"; identical {row['identical']}")
                     result["summary"] = summarize_arms(result)
                     save(result)
         finally:
@@ -205,7 +220,7 @@ def summarize_arms(result: dict) -> dict:
         }
     reused = [r["vericache"].get("compressed_prefix_hit_tokens") for r in turns]
     if all(x is not None for x in reused):
-        summary["vericache"]["compressed_prefix_hit_tokens"] = sum(reused)
+        summary["vericache"]["compressed_prefix_hit_tokens"] = round(sum(reused))
         summary["vericache"]["compressed_prefix_hit_ratio"] = sum(reused) / max(prompt, 1)
         load = sum(r["vericache"]["full_kv_load_seconds"] for r in turns)
         summary["vericache"]["full_kv_load_seconds"] = load
