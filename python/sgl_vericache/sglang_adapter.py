@@ -563,7 +563,7 @@ def _narrow_rows(fb, keep: list, bs: int, width: int = 1) -> None:
     positions, KV write slots) is indexed, ``batch_size``, ``seq_lens_sum`` and the count of
     real tokens follow. The draft passes narrow to the rows that verify (their attention
     reads only the compressed entries, row order: the store's round); the verify forward
-    too (``_narrowed_verify_forward``)."""
+    too (``_install_narrowed_verify``)."""
     import dataclasses
 
     import torch
@@ -589,8 +589,9 @@ def _narrow_rows(fb, keep: list, bs: int, width: int = 1) -> None:
 
 
 def _install_narrowed_verify(worker) -> None:
-    """Staggered verifies: run a round's verify forward over the rows that verify only. A deferred row's logits are never used (it accepts 0 tokens), so projections,
-    MLP and LM head over its draft block were wasted work. SGLang builds the verify
+    """Staggered verifies: run a round's verify forward over the rows that verify only. A
+    deferred row's logits are never used (it accepts 0 tokens), so projections, MLP and LM
+    head over its draft block were wasted work. SGLang builds the verify
     ForwardBatch inside its worker, so the model runner's ``forward`` is wrapped for this
     worker's runner: a target-verify batch with deferred rows is run as a narrowed copy,
     and the logits are laid back out over every row (deferred rows' left at 0, never
