@@ -93,8 +93,8 @@ def engine_context(env: dict):
     """The multiprocessing context for an engine child with environment ``env``. On Linux
     the engines are forked from this process after it has imported SGLang once, so no
     engine process pays its own ~12 s import of SGLang, most of an engine's start-up on 2
-    cores (two engines to ready: 58 s spawned, 28 s forked, measured side by side with one
-    matrix shard alive). What runs is the same code on the same settings; only the import is
+    cores (bench_spec --quick, two engines to ready: 57 s spawned, 22 s forked, measured side
+    by side with one matrix shard alive). What runs is the same code on the same settings; only the import is
     shared. SGLang reads some variables at import time (``SGLANG_USE_CPU_ENGINE``,
     ``SGLANG_TEST_RETRACT``, ...), so a child whose ``env`` differs from this process's
     environment at that import is spawned. The parent imports SGLang without our plugin
@@ -106,6 +106,8 @@ def engine_context(env: dict):
     if _IMPORT_ENV is None:
         if "sglang.srt.entrypoints.engine" in sys.modules:  # imported before we could set CPU_ENV
             return mp.get_context("spawn")
+        if any({**os.environ, **CPU_ENV}.get(k) != v for k, v in env.items()):
+            return mp.get_context("spawn")  # this child could not be forked: no import for nothing
         os.environ.update(CPU_ENV)  # before the import: SGLang reads it there
         import sglang.srt.entrypoints.engine  # noqa: F401  the shared import
 

@@ -93,6 +93,27 @@ print(bench_spec.engine_context({{"SGLANG_USE_CPU_ENGINE": "1"}}).get_start_meth
 """
 
 
+_FIRST_UNFORKABLE = """
+import sys
+sys.path.insert(0, {bench!r})
+import bench_spec
+method = bench_spec.engine_context({{"SGLANG_TEST_RETRACT": "1"}}).get_start_method()
+print(method, "sglang.srt.entrypoints.engine" in sys.modules)
+"""
+
+
+def test_an_engine_that_cannot_be_forked_does_not_import_sglang_in_the_parent():
+    """bench_preempt's engines carry SGLANG_TEST_RETRACT, which SGLang reads at import: they
+    are spawned, and the parent does not pay an import it cannot use."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VERICACHE_BENCH_SPAWN", "SGLANG_TEST_RETRACT")}
+    out = subprocess.run([sys.executable, "-c", _FIRST_UNFORKABLE.format(bench=str(BENCH))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "spawn False"
+
+
 @pytest.mark.parametrize("spawn_env, expected", [(None, "fork fork spawn"), ("1", "spawn spawn spawn")])
 def test_engines_are_forked_only_where_the_import_saw_their_environment(spawn_env, expected):
     """The benchmarks fork engines from a parent that imported SGLang once; an engine whose
