@@ -136,6 +136,36 @@ def test_seeded_store_reads_only_the_tokens_after_the_shared_prefix():
     store.check_integrity()
 
 
+@pytest.mark.parametrize("method", ["kivi4", "streamingllm", "snapkv"])
+def test_attend_tokens_equals_one_attend_per_token(method):
+    """Teacher forcing a prompt's known tokens in one pass (``attend_tokens``, what drafting
+    during a storage fetch does) computes what one ``attend`` step per token computes, and
+    drafting continues after it from the same buffer; per-query selection (Quest) is refused."""
+    k_all, v_all = _kv(200, seed=3)
+    comp = get_compressor(method, 4.0)
+    q, (k_new, v_new) = torch.randn(7, 9, 16), _kv(7, seed=4)
+    prompt_queries = [torch.randn(32, 9, 16)]  # SnapKV votes with them
+    outs = []
+    for block in (False, True):
+        store = CompressedKVStore(comp, num_layers=1)
+        store.sync("r", 200, lambda _, s, e: (k_all[s:e], v_all[s:e]), queries=prompt_queries)
+        store.begin_round(["r"], steps=7)
+        if block:
+            got = [store.attend_tokens(0, q[:5], k_new[:5], v_new[:5], 0.25)]
+        else:
+            got = [store.attend(0, q[i : i + 1], k_new[i : i + 1], v_new[i : i + 1], 0.25) for i in range(5)]
+        got += [store.attend(0, q[i : i + 1], k_new[i : i + 1], v_new[i : i + 1], 0.25) for i in (5, 6)]
+        outs.append(torch.cat(got))
+        with pytest.raises(AssertionError):  # the round's 7 steps are used up
+            store.attend_tokens(0, q[:1], k_new[:1], v_new[:1], 0.25)
+    torch.testing.assert_close(outs[1], outs[0])
+    quest = CompressedKVStore(get_compressor("quest", 4.0, page_size=8), num_layers=1)
+    quest.sync("r", 200, lambda _, s, e: (k_all[s:e], v_all[s:e]))
+    quest.begin_round(["r"], steps=2)
+    with pytest.raises(AssertionError, match="per-step selection"):
+        quest.attend_tokens(0, q[:2], k_new[:2], v_new[:2], 0.25)
+
+
 def _check_round(store, compressors, rows, steps, label):
     """One draft round over ``rows``: every step's batched output equals each request's
     reference attention (its compressor's attend over its own entry plus its own drafts)."""

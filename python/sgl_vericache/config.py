@@ -68,6 +68,13 @@ class VeriCacheConfig:
         "vericache (set for you) and page size 1.",
         min=-1, max=1 << 40,
     )
+    fetch_draft_tokens: int = _opt(
+        64, "Tokens a greedy request drafts while SGLang holds it back for its prefix to stream in from a "
+        "HiCache storage tier (--hicache-storage-backend, prefetch policy wait_complete or timeout): it drafts "
+        "from the prefix's compressed entry (VeriCache's compressed prefix cache), teacher-forcing the rest of "
+        "its prompt, and its first rounds verify those drafts once admitted, so the fetch hides drafting. "
+        "Output is unchanged (verify decides every token). 0 = off.", min=0, max=4096,
+    )
     compressor_options: str = _opt(
         "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
     )

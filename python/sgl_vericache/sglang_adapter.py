@@ -245,6 +245,12 @@ def _build_worker_class():
             self.parking = None  # FullKVParking, built at the first round when a budget is set
             self._waited = {}  # rid -> rounds in a row it drafted without verifying (staggered verifies)
             self._deferred = ()  # batch rows that draft but do not verify this round
+            self._queued_rows = ()  # batch rows whose drafts this round were made while they waited
+            # Drafting while SGLang fetches a waiting request's prefix from a storage tier.
+            self.fetch_drafter = None
+            if self.vc.fetch_draft_tokens > 0 and self.prefix_cache is not None:
+                self.fetch_drafter = _FetchDrafter(self)
+                _install_fetch_drafting()
             if self.vc.full_device_budget >= 0:
                 _check_parking_args(get_memory().radix_cache_backend, self.page_size)
             _install_verify_sampler()
@@ -327,6 +333,8 @@ def _build_worker_class():
                 self.stats.add("deferred_rows", len(deferred))
                 for i, req in enumerate(batch.reqs):
                     self._waited[req.rid] = self._waited.get(req.rid, 0) + 1 if i in deferred else 0
+                self.stats.add("fetch_draft_accepted", sum(lens[i] - 1 for i in self._queued_rows))
+            self._queued_rows = ()
             self.stats.end_iteration()
             return result
 
@@ -393,6 +401,8 @@ def _build_worker_class():
                 self._plans.pop(rid, None)
                 self._queries.pop(rid, None)
                 self._waited.pop(rid, None)
+                if self.fetch_drafter is not None:
+                    self.fetch_drafter.queue.drop(rid)
 
         def _plan(self, req):
             """(compressor, draft_len) for a request; bad overrides abort it with a 400."""
@@ -435,6 +445,8 @@ def _build_worker_class():
                 self.prefix_cache.clear()
             self._reqs.clear()
             self._prev_decode_rids = set()
+            if self.fetch_drafter is not None:
+                self.fetch_drafter.clear()
 
         def _update_ngram_corpus(self, batch):
             pass
@@ -457,8 +469,9 @@ def _build_worker_class():
             self._verify_backend.skip_rows = frozenset(self._deferred)
             roots = [_last_token(req) for req in batch.reqs]
             steps = max(draft_len for _, draft_len in plans)
+            queued = self._queued_drafts(batch, plans, verifying)
             t0 = time.perf_counter()
-            drafts = self._draft(batch, roots, verified, steps)  # [bs, steps]
+            drafts = self._draft(batch, roots, verified, steps, queued)  # [bs, steps]
             self.stats.drafted(time.perf_counter() - t0, sum(d for (_, d), v in zip(plans, verifying) if v))
             drafts = _pad_drafts(drafts, [draft_len for _, draft_len in plans], n - 1)
             tokens = np.concatenate([np.asarray(roots, dtype=np.int64)[:, None], drafts], axis=1)
@@ -509,14 +522,38 @@ def _build_worker_class():
                 self.prefix_cache.insert(tokens[:shared], compressor, self.store.entry(req.rid)[1])
             self.stats.prefix_cache(self.prefix_cache)
 
-        def _draft(self, batch, roots, verified, steps):
+        def _queued_drafts(self, batch, plans, verifying):
+            """Rows (verifying this round, in an all-greedy batch) whose drafts were made
+            ahead while their prefix was fetched: row -> its drafts for this round."""
+            if self.fetch_drafter is None or not len(self.fetch_drafter.queue) \
+                    or not batch.sampling_info.is_all_greedy:
+                return {}
+            queued = {}
+            for i, req in enumerate(batch.reqs):
+                if verifying[i] and req.rid in self.fetch_drafter.queue:
+                    tokens = self.fetch_drafter.queue.take(req.rid, req.output_ids, plans[i][1])
+                    if tokens:
+                        queued[i] = tokens
+            self.stats.add("fetch_draft_rounds", len(queued))
+            self._queued_rows = tuple(queued)
+            return queued
+
+        def _draft(self, batch, roots, verified, steps, queued=None):
             bs = len(batch.reqs)
             if self._draft_backend is None:
                 self._draft_backend = _make_draft_backend(self.model_runner, self.store)
             info = batch.sampling_info
-            # Rows deferred this round (staggered verifies) draft nothing.
+            # Rows deferred this round (staggered verifies) draft nothing; rows with drafts
+            # made ahead (queued) take those.
+            queued = queued or {}
             deferred = set(self._deferred)
-            keep = [i for i in range(bs) if i not in deferred]
+            keep = [i for i in range(bs) if i not in deferred and i not in queued]
+            drafts = np.repeat(np.asarray(roots, dtype=np.int64)[:, None], steps, axis=1)  # deferred: unused
+            for i, tokens in queued.items():
+                drafts[i, :len(tokens)] = tokens
+                drafts[i, len(tokens):] = tokens[-1]
+            if not keep:
+                return drafts
             self.store.begin_round([batch.reqs[i].rid for i in keep], steps)
             fb = ForwardBatch.init_new(batch, self.model_runner, return_hidden_states_before_norm=False)
             fb.forward_mode = ForwardMode.DECODE
@@ -536,7 +573,6 @@ def _build_worker_class():
                 _DRAFT_WEIGHTS, _DRAFTING = None, False
             if len(keep) == bs:
                 return out.numpy()
-            drafts = np.repeat(np.asarray(roots, dtype=np.int64)[:, None], steps, axis=1)  # deferred: unused
             drafts[keep] = out.numpy()
             return drafts
 
@@ -741,13 +777,15 @@ def _make_draft_backend(model_runner, store):
             self.req_to_token_pool = model_runner.req_to_token_pool
             self.token_to_kv_pool = model_runner.token_to_kv_pool
             self.device = model_runner.device
+            self.tokens_of_one = False  # True: the rows are consecutive tokens of one request (attend_tokens)
 
         def init_forward_metadata(self, forward_batch):
             pass
 
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
-            out = store.attend(
+            attend = store.attend_tokens if self.tokens_of_one else store.attend
+            out = attend(
                 layer.layer_id,
                 q.reshape(-1, hq, d),  # [bs, H_q, D], row b = batch.reqs[b] (begin_round's order)
                 k.reshape(-1, hkv, d),
@@ -760,6 +798,213 @@ def _make_draft_backend(model_runner, store):
             raise RuntimeError("VeriCache draft attention runs decode steps only")
 
     return _DraftAttentionBackend()
+
+
+class _FetchJob:
+    """One waiting request's drafting: its prompt past the compressed prefix teacher-forced
+    (``forced``, from position ``start``), then free drafting; ``drafts[j]`` predicts output
+    position ``j``."""
+
+    def __init__(self, req, compressor, forced, start, steps, forward_batch):
+        self.req, self.compressor, self.forced, self.start, self.steps = req, compressor, forced, start, steps
+        self.fb = forward_batch
+        self.step = 0
+        self.next = None  # the last step's argmax: the next step's input once forcing is done
+        self.drafts = []
+        self.polled = time.monotonic()
+
+
+class _FetchDrafter:
+    """Drafting for requests SGLang holds back while their prefix streams in from a HiCache
+    storage tier (the paper's remote prefix reuse).
+
+    SGLang admits a request whose prefix is being prefetched from storage only once the
+    prefetch is done; until then the scheduler polls it every iteration. At each poll (see
+    ``_install_fetch_drafting``) this drafts for it for about ``STEP_SECONDS``: the prefix's
+    compressed entry (VeriCache's compressed prefix cache keeps entries after the full KV
+    left the device and host, the eviction order the tiers promise) seeds a draft store of
+    its own; the prompt's tokens past the entry are fed one by one through draft attention
+    (teacher forcing: their provisional KV lives in that store's round buffer only), then it
+    drafts freely, up to ``--vericache-fetch-draft-tokens``. When the prefetch completes the
+    drafts made so far are queued (``DraftQueue``) and the request is admitted as usual:
+    SGLang prefills the rest of its prompt over the fetched full KV, and its first decode
+    rounds verify the queued drafts instead of drafting. Greedy requests only (a sampled
+    round needs the draft distributions of its own draws); one waiting request at a time.
+    Drafts are verify candidates only: output never changes."""
+
+    STEP_SECONDS = 0.02  # drafting per poll, so that a finished fetch is seen soon
+    MAX_FORCED = 512  # prompt tokens past the compressed prefix it teacher-forces at most
+    STALE_SECONDS = 0.5  # a job whose request stopped being polled (admitted elsewhere, aborted) is dropped
+
+    def __init__(self, worker):
+        from sgl_vericache.spec.draft_queue import DraftQueue
+        from sgl_vericache.spec.drafter import CompressedKVStore
+
+        self.worker = worker
+        self.store = CompressedKVStore(worker.store.compressor, worker.store.num_layers)
+        self.backend = None  # built at the first job: the model runner's pools exist by then
+        self.queue = DraftQueue()
+        self.job = None
+        self._passed = set()  # rids polled and found unable to draft (no prefix entry, sampled, ...)
+
+    def poll(self, req, fetched: bool, hit_tokens: int) -> None:
+        """The scheduler looked at waiting ``req``; ``fetched``: its prefetch is done;
+        ``hit_tokens``: what the storage tier said it holds of the prefix (0 until its
+        existence query answered: a request whose prefix is not there is not drafted for)."""
+        if fetched:
+            self._passed.discard(req.rid)
+            if self.job is not None and self.job.req is req:
+                self._finish()
+            return
+        job = self.job
+        if job is not None and job.req is not req:
+            if time.monotonic() - job.polled < self.STALE_SECONDS and not job.req.finished():
+                return  # drafting for another waiting request
+            self._finish()
+            job = None
+        if job is None:
+            if req.rid in self._passed or hit_tokens <= 0:
+                return
+            job = self.job = self._start(req)
+            if job is None:
+                self._passed.add(req.rid)
+                if len(self._passed) > 4096:
+                    self._passed.clear()
+                return
+        job.polled = time.monotonic()
+        self._run(job)
+
+    def _start(self, req):
+        import torch
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+        w = self.worker
+        if req.finished() or req.grammar is not None or req.sampling_params.top_k != 1:
+            return None
+        if self.backend is None:
+            self.backend = _make_draft_backend(w.model_runner, self.store)
+        compressor, _ = w._plan(req)
+        if req.to_finish is not None:
+            return None
+        tokens = [int(t) for t in req.origin_input_ids]
+        w._weights_changed()
+        n, layers = w.prefix_cache.match(tokens[:-1], compressor, count=False)
+        if not n or len(tokens) - n > self.MAX_FORCED:
+            return None
+        # drafts for output positions 0 .. wanted-1 (position 0 is checked against the
+        # token the prefill will sample; no use drafting past the request's last token)
+        wanted = min(w.vc.fetch_draft_tokens, req.sampling_params.max_new_tokens or w.vc.fetch_draft_tokens)
+        if wanted < 2:
+            return None
+        steps = len(tokens) - n + wanted - 1
+        key = ("fetch-draft", req.rid)
+        self.store.clear()
+        self.store.seed(key, compressor, layers, n)
+        self.store.begin_round([key], steps)
+        one = torch.ones(1, dtype=torch.int64, device=w.device)
+        fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1, input_ids=one,
+                          req_pool_indices=one * 0, seq_lens=one * (n + 1), out_cache_loc=None,
+                          seq_lens_sum=n + 1, positions=one * n, seq_lens_cpu=torch.tensor([n + 1]),
+                          capture_hidden_mode=CaptureHiddenMode.NULL)
+        w.stats.add("fetch_draft_requests", 1)
+        return _FetchJob(req, compressor, tokens[n:], n, steps, fb)
+
+    def _run(self, job) -> None:
+        import torch
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        from sgl_vericache.spec.drafter import selects_per_step
+
+        global _DRAFT_WEIGHTS, _DRAFTING
+        w, fb = self.worker, job.fb
+        t0 = time.perf_counter()
+        done = job.step
+        _DRAFT_WEIGHTS, _DRAFTING = w.draft_weights, True
+        try:
+            with torch.inference_mode(), forward_context(ForwardContext(attn_backend=self.backend), forward_batch=fb):
+                if job.step == 0 and len(job.forced) > 1 and not selects_per_step(job.compressor):
+                    # the prompt's tokens past the entry in one pass (they are known)
+                    self.backend.tokens_of_one = True
+                    try:
+                        fb.input_ids = torch.tensor(job.forced, dtype=torch.int64, device=w.device)
+                        fb.positions = torch.arange(job.start, job.start + len(job.forced), dtype=torch.int64,
+                                                    device=w.device)
+                        logits = w.model_runner.forward(fb).logits_output.next_token_logits[-1:]
+                    finally:
+                        self.backend.tokens_of_one = False
+                    job.next = int(torch.argmax(torch.nan_to_num(logits), dim=-1)[0])
+                    job.drafts.append(job.next)
+                    job.step = len(job.forced)
+                while job.step < job.steps:
+                    s = job.step
+                    token = job.forced[s] if s < len(job.forced) else job.next
+                    fb.input_ids = torch.tensor([token], dtype=torch.int64, device=w.device)
+                    fb.positions = torch.tensor([job.start + s], dtype=torch.int64, device=w.device)
+                    logits = w.model_runner.forward(fb).logits_output.next_token_logits
+                    if w.draft_weights is not None:
+                        logits = torch.nan_to_num(logits)
+                    job.next = int(torch.argmax(logits, dim=-1)[0])
+                    if s >= len(job.forced) - 1:
+                        job.drafts.append(job.next)
+                    job.step += 1
+                    if time.perf_counter() - t0 >= self.STEP_SECONDS:
+                        break
+        finally:
+            _DRAFT_WEIGHTS, _DRAFTING = None, False
+        w.stats.add("fetch_draft_steps", job.step - done)
+        w.stats.add("fetch_draft_seconds", time.perf_counter() - t0)
+
+    def _finish(self) -> None:
+        job, self.job = self.job, None
+        self.store.clear()
+        if job.drafts and not job.req.finished():
+            self.queue.put(job.req.rid, job.drafts)
+            self.worker.stats.add("fetch_draft_tokens", len(job.drafts))
+
+    def clear(self) -> None:
+        self.job = None
+        self.store.clear()
+        self.queue.clear()
+        self._passed.clear()
+
+
+def _install_fetch_drafting() -> None:
+    """The scheduler's poll of a request waiting for its storage prefetch
+    (``check_prefetch_progress``) lets this process's VeriCache worker draft for it; the
+    waiting ``Req`` is found by rid from SGLang's ``_prefetch_kvcache``, which starts it."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    check = UnifiedRadixCache.check_prefetch_progress
+    if getattr(check, "_vericache", False):
+        return
+    start = Scheduler._prefetch_kvcache
+
+    def _prefetch_kvcache(self, req, *args, **kwargs):
+        result = start(self, req, *args, **kwargs)
+        if req.cache_request_handle in getattr(self.tree_cache, "ongoing_prefetch", {}):
+            _PREFETCHING[req.rid] = req
+            while len(_PREFETCHING) > 4096:  # requests aborted while they waited
+                _PREFETCHING.pop(next(iter(_PREFETCHING)))
+        return result
+
+    def check_prefetch_progress(self, request):
+        ongoing = getattr(self, "ongoing_prefetch", {}).get(request)
+        hits = getattr(getattr(ongoing, "operation", None), "storage_hit_count", 0) if ongoing else 0
+        fetched = check(self, request)
+        req = _PREFETCHING.pop(request.rid, None) if fetched else _PREFETCHING.get(request.rid)
+        if req is not None:
+            for worker in list(_LIVE_WORKERS):
+                if worker.fetch_drafter is not None:
+                    worker.fetch_drafter.poll(req, fetched, hits)
+        return fetched
+
+    check_prefetch_progress._vericache = True
+    UnifiedRadixCache.check_prefetch_progress = check_prefetch_progress
+    Scheduler._prefetch_kvcache = _prefetch_kvcache
+
+
+_PREFETCHING = {}  # rid -> Req whose storage prefetch is in flight (this scheduler process)
 
 
 def _make_verify_backend(model_runner, deterministic=False):
@@ -1965,6 +2210,13 @@ class _Stats:
                                       "VeriCache's own, when there is no host pool or it is full)",
         "full_kv_copy_seconds": "Seconds the background copies of parked full KV back to the device took "
                                 "(on CUDA: queueing on the side stream only)",
+        "fetch_draft_requests": "Waiting requests that drafted while their prefix streamed in from a storage tier "
+                                "(--vericache-fetch-draft-tokens)",
+        "fetch_draft_steps": "Draft forward steps run for waiting requests (prompt tokens teacher-forced + drafts)",
+        "fetch_draft_seconds": "Wall time of those steps (the scheduler would otherwise poll the prefetch idle)",
+        "fetch_draft_tokens": "Drafts made while waiting and queued for the request's first rounds",
+        "fetch_draft_rounds": "Verify rounds whose drafts were made while the request waited for its prefix",
+        "fetch_draft_accepted": "Queued drafts (made while waiting) accepted by verify",
         "compressed_prefix_lookups": "New requests looked up in the compressed prefix cache",
         "compressed_prefix_hits": "New requests that started from a cached compressed prefix entry",
         "compressed_prefix_hit_tokens": "Verified tokens whose compressed KV came from the prefix cache",

@@ -72,10 +72,12 @@ class CompressedPrefixCache:
 
     # ------------------------------------------------------------------ lookup
 
-    def match(self, tokens: Sequence[int], key: Hashable) -> tuple[int, Optional[tuple[CompressedLayer, ...]]]:
+    def match(self, tokens: Sequence[int], key: Hashable,
+              count: bool = True) -> tuple[int, Optional[tuple[CompressedLayer, ...]]]:
         """The longest prefix of ``tokens`` with an entry for ``key``: (its length, the
-        per-layer entries), or (0, None)."""
-        self.lookups += 1
+        per-layer entries), or (0, None). ``count=False``: a look that the hit counters
+        leave out (the request will be looked up again when it runs)."""
+        self.lookups += count
         tokens = tuple(tokens)
         best_len, best = 0, None
         node, pos = self.root, 0
@@ -90,8 +92,8 @@ class CompressedPrefixCache:
         if best is None:
             return 0, None
         best.tick = next(self._clock)
-        self.hits += 1
-        self.hit_tokens += best_len
+        self.hits += count
+        self.hit_tokens += best_len * count
         return best_len, best.layers
 
     # ------------------------------------------------------------------ insert / evict

@@ -144,7 +144,7 @@ class CompressedKVStore:
             lens = torch.tensor(dense_lens)
             valid = ((cols[None, :] < lens[:, None]) | (cols[None, :] >= width))[:, None, None, :]
         self._round = _Round(entries, dense_lens, width, steps, valid, [0] * self.num_layers,
-                             any(_selects_per_step(e.compressor) for e in entries))
+                             any(selects_per_step(e.compressor) for e in entries))
         if self._grow(len(entries), width + steps):  # new buffers: nothing to reuse
             tails = [self._tails(b, entry, reuse=False) for b, entry in enumerate(entries)]
         if valid is not None:
@@ -206,6 +206,39 @@ class CompressedKVStore:
         )  # [B, H_q, 1, D]
         return out[:, :, 0].to(q.dtype)
 
+    def attend_tokens(
+        self,
+        layer_id: int,
+        q: torch.Tensor,  # [S, H_q, D] queries of S consecutive tokens of the round's one request
+        k_new: torch.Tensor,  # [S, H_kv, D] their provisional KV
+        v_new: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:  # [S, H_q, D]
+        """S draft steps of one layer at once, for a round of one request whose next S
+        input tokens are known (teacher forcing: a prompt's tokens past its compressed
+        entry). Token i reads the entry and the round's tokens up to itself, exactly as S
+        calls of ``attend`` would; not for compressors that select keys per query."""
+        rnd = self._round
+        assert rnd is not None, "attend_tokens() outside a draft round (call begin_round first)"
+        assert len(rnd.entries) == 1 and not rnd.query_aware, "attend_tokens() is for one request, no per-step selection"
+        step, n = rnd.step[layer_id], q.shape[0]
+        assert step + n <= rnd.steps, (step, n, rnd.steps)
+        rnd.step[layer_id] = step + n
+        start = rnd.width + step
+        end = start + n
+        k_buf, v_buf = self._buffers(layer_id, 1, rnd.width + rnd.steps)
+        k_buf[0, :, start:end] = k_new.transpose(0, 1)
+        v_buf[0, :, start:end] = v_new.transpose(0, 1)
+        cols = torch.arange(end, device=q.device)
+        mask = cols[None, :] <= (start + torch.arange(n, device=q.device))[:, None]  # [S, end]
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1)[None],  # [1, H_q, S, D]
+            k_buf[:, :, :end].float(),  # [1, H_kv, end, D]
+            v_buf[:, :, :end].float(),
+            attn_mask=mask[None, None], scale=scale, enable_gqa=True,
+        )  # [1, H_q, S, D]
+        return out[0].transpose(0, 1).to(q.dtype)
+
     def _selection_mask(self, layer_id, q, end, mask):
         """Padding mask AND each query-aware request's per-step key selection."""
         rnd = self._round
@@ -215,7 +248,7 @@ class CompressedKVStore:
             full &= mask
         for b, entry in enumerate(rnd.entries):
             layer = entry.layers[layer_id]
-            if layer is not None and _selects_per_step(entry.compressor):
+            if layer is not None and selects_per_step(entry.compressor):
                 chosen = entry.compressor.step_selection(layer, q[b : b + 1])  # [H_q, 1, N] or None
                 if chosen is not None:
                     full[b, :, :, : rnd.dense_lens[b]] &= chosen
@@ -311,5 +344,6 @@ class _BufferSpec:
     device: torch.device
 
 
-def _selects_per_step(compressor: KVCompressor) -> bool:
+def selects_per_step(compressor: KVCompressor) -> bool:
+    """The compressor picks keys per draft query (Quest): each step's attention needs its own mask."""
     return type(compressor).step_selection is not KVCompressor.step_selection

@@ -1,0 +1,159 @@
+"""Remote prefix reuse: a request whose prefix SGLang is still fetching from a storage tier
+drafts meanwhile from the prefix's compressed entry, and its first rounds verify those drafts.
+
+Unit level: ``DraftQueue`` hands a request the drafts that follow its verified output only
+while every earlier draft was right. End to end: agents whose conversations no longer fit
+the device and host tiers find their prefix in a storage tier read at 10 MB/s (SGLang's file
+backend behind ``benchmark/throttled_store.py``); the compressed entries stay in VeriCache's
+prefix cache; the next turn drafts while its prefix streams in, and token ids equal
+speculation off.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmark"
+
+
+def test_draft_queue_serves_drafts_while_they_were_right():
+    from sgl_vericache.spec.draft_queue import DraftQueue
+
+    q = DraftQueue()
+    q.put("a", [5, 6, 7, 8, 9])
+    assert q.take("a", [5], 2) == [6, 7]  # first output token 5 was drafted right
+    assert q.take("a", [5, 6, 7], 8) == [8, 9]  # the rest, fewer than asked
+    assert q.take("a", [5, 6, 7, 8, 9], 2) is None and "a" not in q  # used up
+    q.put("b", [1, 2, 3])
+    assert q.take("b", [1, 4], 1) is None and "b" not in q  # output left the drafted path
+    q.put("c", [1, 2])
+    assert q.take("c", [3], 1) is None  # wrong from the first token: never used
+    assert q.taken == 2 and q.dropped == 3
+    assert q.take("missing", [1], 1) is None
+
+
+def test_draft_queue_keeps_the_newest_requests():
+    from sgl_vericache.spec.draft_queue import DraftQueue
+
+    q = DraftQueue(capacity=2)
+    for rid in "xyz":
+        q.put(rid, [1, 2])
+    assert "x" not in q and "y" in q and "z" in q and len(q) == 2
+    q.put("y", [])  # nothing drafted: no queue
+    assert "y" not in q
+    with pytest.raises(ValueError, match="capacity 0"):
+        DraftQueue(capacity=0)
+
+
+def test_throttled_store_reads_at_its_bandwidth(tmp_path):
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from sgl_vericache import cpu_compat
+
+    cpu_compat.install()
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from throttled_store import ThrottledFile
+
+    def config(extra):
+        return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                    is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                    model_name="m", extra_config=extra)
+
+    store = ThrottledFile(config({"file_storage_path": str(tmp_path), "throttle_mb_per_s": 10}))
+    page = torch.arange(250_000, dtype=torch.float32)  # 1 MB
+    assert store.batch_set(["p"], [page])
+    out = torch.empty_like(page)
+    t0 = time.perf_counter()
+    got = store.batch_get(["p"], [out])
+    assert time.perf_counter() - t0 >= 0.099 and torch.equal(got[0], page)
+    assert store.bytes_read == 1_000_000
+    with pytest.raises(ValueError, match="throttle_mb_per_s -1.0"):
+        ThrottledFile(config({"file_storage_path": str(tmp_path), "throttle_mb_per_s": -1}))
+
+
+ENGINE_KW = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, dtype="float32",
+                 log_level="warning", sleep_on_idle=True)
+CONVERSATIONS, NEW_TOKENS = 5, 16
+
+
+def _engine(model_path, **kw):
+    import os
+
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    from sglang.srt.entrypoints.engine import Engine
+
+    return Engine(model_path=str(model_path), **ENGINE_KW, **kw)
+
+
+def _trace(engine, tok):
+    """Five agents (a ~420-token system prompt each) take a turn each, then agents 0 and 1 a
+    second one. Returns per turn (output ids, cached_tokens_details, seconds)."""
+    convs = [[{"role": "system", "content": f"You are assistant number {c}. " + "Answer briefly. " * 130}]
+             for c in range(CONVERSATIONS)]
+    turns = []
+    for rnd, agents in ((0, range(CONVERSATIONS)), (1, (0, 1))):
+        for c in agents:
+            msgs = convs[c]
+            msgs.append({"role": "user", "content": f"Round {rnd}: one fact about the number {rnd * 7 + c}."})
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+            t0 = time.monotonic()
+            out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0})
+            turns.append((out["output_ids"], out["meta_info"].get("cached_tokens_details") or {},
+                          time.monotonic() - t0))
+            msgs.append({"role": "assistant", "content": tok.decode(out["output_ids"], skip_special_tokens=True)})
+    return turns
+
+
+def test_drafts_while_the_prefix_streams_in_from_storage(default_model_path, tmp_path, monkeypatch, capfd):
+    """Engine A (speculation off, everything on the device) gives the reference. Engine B
+    (VERICACHE, a 1024-token device pool, a host tier of 2048 tokens, the throttled file
+    store): five ~440-token conversations overflow both tiers, so agent 0's second turn
+    finds its prefix only in storage; SGLang holds it back while the prefix streams in,
+    and B drafts for it meanwhile from the compressed entry its first turn left. Its first
+    rounds verify those drafts. B's token ids must equal A's."""
+    from transformers import AutoTokenizer
+
+    from sgl_vericache.config import VeriCacheConfig
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    VeriCacheConfig().to_env()
+    engine = _engine(default_model_path, max_total_tokens=4096)
+    try:
+        reference = _trace(engine, tok)
+    finally:
+        engine.shutdown()
+
+    monkeypatch.syspath_prepend(str(BENCH))  # the scheduler imports throttled_store from here
+    monkeypatch.setenv("VERICACHE_CHECK_INTEGRITY", "1")
+    store = {"backend_name": "throttled_file", "module_path": "throttled_store", "class_name": "ThrottledFile",
+             "file_storage_path": str(tmp_path / "kv"), "throttle_mb_per_s": 10}
+    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8, fetch_draft_tokens=32).to_env()
+    engine = _engine(default_model_path, speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
+                     speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024,
+                     radix_cache_backend="vericache", enable_hierarchical_cache=True, hicache_ratio=2.0,
+                     hicache_io_backend="kernel", hicache_mem_layout="page_first",
+                     hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(store),
+                     hicache_storage_prefetch_policy="wait_complete")
+    try:
+        ours = _trace(engine, tok)
+        stats = engine.get_server_info()["internal_states"][0]["vericache"]
+    finally:
+        engine.shutdown()
+    fetch = {k: v for k, v in stats.items() if k.startswith("fetch_draft")}
+    with capfd.disabled():
+        print("\nper turn (device/host/storage hit tokens, seconds):",
+              [(d.get("device", 0), d.get("host", 0), d.get("storage", 0), round(s, 2)) for _, d, s in ours],
+              "\nfetch drafting:", fetch, flush=True)
+    second = ours[CONVERSATIONS]  # agent 0's second turn
+    assert second[1].get("storage", 0) > 400, second[1]  # its prefix came from the store
+    assert fetch["fetch_draft_requests"] >= 1 and fetch["fetch_draft_tokens"] > 0, fetch
+    assert fetch["fetch_draft_rounds"] >= 1 and fetch["fetch_draft_accepted"] > 0, fetch
+    failures = [f"turn {i}: ours {o[:8]}... vs reference {r[:8]}..."
+                for i, ((o, _, _), (r, _, _)) in enumerate(zip(ours, reference)) if o != r]
+    assert len(ours) == len(reference) and not failures, "\n".join(failures)
