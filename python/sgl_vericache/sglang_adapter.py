@@ -13,7 +13,6 @@ here, so a version bump is one file's work:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import weakref
@@ -568,8 +567,7 @@ def _build_worker_class():
             global _DRAFT_WEIGHTS, _DRAFTING
             _DRAFT_WEIGHTS, _DRAFTING = self.draft_weights, True
             try:
-                with forward_context(ForwardContext(attn_backend=self._draft_backend), forward_batch=fb), \
-                        _no_graph_replay(self.model_runner):
+                with forward_context(ForwardContext(attn_backend=self._draft_backend), forward_batch=fb):
                     self._draft_steps(fb, tokens, base, out, steps)
             finally:
                 _DRAFT_WEIGHTS, _DRAFTING = None, False
@@ -802,23 +800,6 @@ def _make_draft_backend(model_runner, store):
     return _DraftAttentionBackend()
 
 
-@contextlib.contextmanager
-def _no_graph_replay(model_runner):
-    """Draft passes run eagerly: they are DECODE-mode batches, which SGLang's model runner
-    would replay through its captured decode CUDA graph (captured with the target's own
-    attention backend and verify width) whenever the batch size fits. The runner checks
-    ``decode_cuda_graph_runner`` before a replay; it is hidden for the pass."""
-    runner = getattr(model_runner, "decode_cuda_graph_runner", None)
-    if runner is None:
-        yield
-        return
-    model_runner.decode_cuda_graph_runner = None
-    try:
-        yield
-    finally:
-        model_runner.decode_cuda_graph_runner = runner
-
-
 class _FetchJob:
     """One waiting request's drafting: its prompt past the compressed prefix teacher-forced
     (``forced``, from position ``start``), then free drafting; ``drafts[j]`` predicts output
@@ -940,8 +921,7 @@ class _FetchDrafter:
         done = job.step
         _DRAFT_WEIGHTS, _DRAFTING = w.draft_weights, True
         try:
-            with torch.inference_mode(), forward_context(ForwardContext(attn_backend=self.backend), forward_batch=fb), \
-                    _no_graph_replay(w.model_runner):
+            with torch.inference_mode(), forward_context(ForwardContext(attn_backend=self.backend), forward_batch=fb):
                 if job.step == 0 and len(job.forced) > 1 and not selects_per_step(job.compressor):
                     # the prompt's tokens past the entry in one pass (they are known)
                     self.backend.tokens_of_one = True
