@@ -175,13 +175,7 @@ def reference(default_model_path):
 PREEMPT_INTERVAL = 7  # forward passes between the preemptions SGLang's test hook forces
 
 
-@pytest.fixture(scope="module")
-def vc_engine(default_model_path):
-    """The VERICACHE engine every test here runs on, under preemption: SGLang's own test
-    hook (``SGLANG_TEST_RETRACT``) retracts a decoding request every ``PREEMPT_INTERVAL``
-    forward passes whenever two or more decode together, so requests leave the batch
-    mid-answer and resume (their KV kept in the radix tree, their compressed entry in the
-    prefix cache). The reference engine never preempts: outputs must not depend on it."""
+def _vericache_engine(model_path, preempt):
     from sgl_vericache.config import VeriCacheConfig
 
     # A device budget of 64 tokens for requests' own full KV: at batch 4, once requests have
@@ -191,13 +185,38 @@ def vc_engine(default_model_path):
     # one request always verifies. Both paths run in the tests below.
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=MAX_DRAFT_LEN, full_device_budget=FULL_BUDGET).to_env()
     with pytest.MonkeyPatch.context() as env:  # read once, when the scheduler starts
-        env.setenv("SGLANG_TEST_RETRACT", "1")
-        env.setenv("SGLANG_TEST_RETRACT_INTERVAL", str(PREEMPT_INTERVAL))
-        engine = _engine(default_model_path, speculative_algorithm="VERICACHE",
-                         speculative_num_draft_tokens=MAX_DRAFT_LEN + 1,
-                         speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True,
-                         radix_cache_backend="vericache",
-                         decode_log_interval=1)  # SGLang's accept-length totals, current at every step
+        if preempt:
+            env.setenv("SGLANG_TEST_RETRACT", "1")
+            env.setenv("SGLANG_TEST_RETRACT_INTERVAL", str(PREEMPT_INTERVAL))
+        else:
+            env.delenv("SGLANG_TEST_RETRACT", raising=False)
+        return _engine(model_path, speculative_algorithm="VERICACHE",
+                       speculative_num_draft_tokens=MAX_DRAFT_LEN + 1,
+                       speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True,
+                       radix_cache_backend="vericache",
+                       decode_log_interval=1)  # SGLang's accept-length totals, current at every step
+
+
+@pytest.fixture(scope="module")
+def vc_engine(default_model_path):
+    """The VERICACHE engine most tests here run on, under preemption: SGLang's own test
+    hook (``SGLANG_TEST_RETRACT``) retracts a decoding request every ``PREEMPT_INTERVAL``
+    forward passes whenever two or more decode together, so requests leave the batch
+    mid-answer and resume (their KV kept in the radix tree, their compressed entry in the
+    prefix cache). The reference engine never preempts: outputs must not depend on it."""
+    engine = _vericache_engine(default_model_path, preempt=True)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def steady_engine(default_model_path):
+    """The same VERICACHE engine without forced preemption, for the tests that need
+    requests to decode side by side from their first round to their last. The hook's
+    counter is global: where a retraction falls in a short request depends on every
+    forward pass before it, so under it whether two requests ever verify in one round (and
+    whose prompt is still their own, not the tree's, when they do) is left to chance."""
+    engine = _vericache_engine(default_model_path, preempt=False)
     yield engine
     engine.shutdown()
 
@@ -327,20 +346,6 @@ def test_stop_conditions_inside_drafts(reference, vc_engine, default_model_path)
     assert len(expected[0][0]) < 128 and expected[0][2]["type"] == "stop"  # the stop fired mid-way
 
 
-def test_unseeded_sampling_runs_and_differs_across_requests(vc_engine, default_model_path):
-    """Rejection-sampling rows (no seed): valid output of the requested length, random
-    (two identical requests differ), with drafts still accepted. Distributional exactness
-    of the rule itself is test_accept.py's statistical test."""
-    ids = _input_ids(default_model_path, CI_PROMPTS[:1]) * 2
-    params = [_with_vc({"max_new_tokens": 48, "temperature": 0.8, "ignore_eos": True}, "kivi4", 16)] * 2
-    before = _vericache_state(vc_engine)["deferred_rows"]
-    outs = vc_engine.generate(input_ids=ids, sampling_params=params)
-    assert _vericache_state(vc_engine)["deferred_rows"] > before  # rejection rows staggered too
-    assert all(len(o["output_ids"]) == 48 for o in outs)
-    assert outs[0]["output_ids"] != outs[1]["output_ids"]
-    assert all(o["meta_info"]["spec_accept_length"] > 1.5 for o in outs), [o["meta_info"] for o in outs]
-
-
 def _vericache_state(engine):
     return engine.get_server_info()["internal_states"][0]["vericache"]
 
@@ -445,28 +450,6 @@ def test_streaming_while_verifies_are_staggered(reference, vc_engine, default_mo
         assert list(last["output_ids"]) == reference[i], f"prompt {i}: streamed tokens differ from speculation off"
 
 
-def test_running_requests_park_their_prompts(reference, vc_engine):
-    """Under the budget a running request's prompt is its own (SGLang's radix tree gets it
-    when the request leaves), so it is parked with the rest of its KV between verifies: two
-    requests with prompts the tree has never seen, each over the budget, arrive together,
-    take turns verifying, and each park moves at least the parked request's prompt."""
-    fresh = reference.extra["fresh"]
-    prompts = [p for p, _ in fresh]
-    assert min(len(p) for p in prompts) > FULL_BUDGET, [len(p) for p in prompts]
-    before = _vericache_state(vc_engine)
-    outs = vc_engine.generate(input_ids=prompts, sampling_params=[FRESH_PARAMS] * len(prompts))
-    for i, (out, (_, expected)) in enumerate(zip(outs, fresh)):
-        idx = first_divergence(out["output_ids"], expected)
-        assert idx is None, f"fresh prompt {i}: first divergent index {idx}"
-    after = _vericache_state(vc_engine)
-    parks = after["full_kv_parks"] - before["full_kv_parks"]
-    parked = after["full_kv_parked_tokens"] - before["full_kv_parked_tokens"]
-    # each park holds the request's prompt (less a first token or two another request may
-    # have left in the tree) and what it has generated (at most 24 tokens: not enough alone)
-    assert parks > 0 and parked >= parks * (min(len(p) for p in prompts) - 4), (parks, parked, before, after)
-    assert after["full_kv_loaded_tokens"] - before["full_kv_loaded_tokens"] == parked
-
-
 def test_full_kv_beyond_the_budget_was_parked_and_loaded_back(vc_engine):
     """Runs after the tests above: their requests' own full KV beyond the engine's 64-token
     device budget went to host memory and came back for the next verify (their outputs,
@@ -485,3 +468,39 @@ def test_full_kv_beyond_the_budget_was_parked_and_loaded_back(vc_engine):
     assert stats["full_kv_loaded_tokens"] == stats["full_kv_parked_tokens"], stats
     assert stats["full_kv_bytes_to_device"] == stats["full_kv_bytes_to_host"] > 0, stats
 
+
+def test_unseeded_sampling_runs_and_differs_across_requests(steady_engine, default_model_path):
+    """Rejection-sampling rows (no seed): valid output of the requested length, random
+    (two identical requests differ), with drafts still accepted. Distributional exactness
+    of the rule itself is test_accept.py's statistical test."""
+    ids = _input_ids(default_model_path, CI_PROMPTS[:1]) * 2
+    params = [_with_vc({"max_new_tokens": 48, "temperature": 0.8, "ignore_eos": True}, "kivi4", 16)] * 2
+    before = _vericache_state(steady_engine)["deferred_rows"]
+    outs = steady_engine.generate(input_ids=ids, sampling_params=params)
+    # both decode side by side past the 64-token budget: rejection rows are staggered too
+    assert _vericache_state(steady_engine)["deferred_rows"] > before
+    assert all(len(o["output_ids"]) == 48 for o in outs)
+    assert outs[0]["output_ids"] != outs[1]["output_ids"]
+    assert all(o["meta_info"]["spec_accept_length"] > 1.5 for o in outs), [o["meta_info"] for o in outs]
+
+
+def test_running_requests_park_their_prompts(reference, steady_engine):
+    """Under the budget a running request's prompt is its own (SGLang's radix tree gets it
+    when the request leaves), so it is parked with the rest of its KV between verifies: two
+    requests with prompts the tree has never seen, each over the budget, arrive together,
+    take turns verifying, and each park moves at least the parked request's prompt."""
+    fresh = reference.extra["fresh"]
+    prompts = [p for p, _ in fresh]
+    assert min(len(p) for p in prompts) > FULL_BUDGET, [len(p) for p in prompts]
+    before = _vericache_state(steady_engine)
+    outs = steady_engine.generate(input_ids=prompts, sampling_params=[FRESH_PARAMS] * len(prompts))
+    for i, (out, (_, expected)) in enumerate(zip(outs, fresh)):
+        idx = first_divergence(out["output_ids"], expected)
+        assert idx is None, f"fresh prompt {i}: first divergent index {idx}"
+    after = _vericache_state(steady_engine)
+    parks = after["full_kv_parks"] - before["full_kv_parks"]
+    parked = after["full_kv_parked_tokens"] - before["full_kv_parked_tokens"]
+    # each park holds the request's prompt (less a first token or two another request may
+    # have left in the tree) and what it has generated (at most 24 tokens: not enough alone)
+    assert parks > 0 and parked >= parks * (min(len(p) for p in prompts) - 4), (parks, parked, before, after)
+    assert after["full_kv_loaded_tokens"] - before["full_kv_loaded_tokens"] == parked
