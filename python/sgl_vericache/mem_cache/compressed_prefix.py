@@ -18,6 +18,12 @@ The tree is a radix tree over token ids; an entry sits at the node where its pre
 one per compressor (different methods or ratios never share entries). Eviction is LRU over
 entries, within a byte budget; nodes left with no entry and no child are removed, and a
 node with no entry and one child is merged into it.
+
+With a ``spill`` function (a storage tier behind the cache, ``compressed_tier.py``) an
+evicted entry -- or one larger than the whole budget -- is handed to it instead of being
+dropped, and the node keeps the stub it returns: no bytes here, found by
+``match_spilled`` (``match`` sees resident entries only). At most ``max_spilled`` stubs
+are kept, the least recently used dropped first.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from sgl_vericache.mem_cache.compress import CompressedLayer
 
 @dataclass(eq=False)
 class _Entry:
-    layers: tuple[CompressedLayer, ...]
-    nbytes: int
+    layers: Optional[tuple[CompressedLayer, ...]]  # None: spilled to the storage tier
+    nbytes: int  # bytes held here (0 when spilled)
     tick: int  # last use (insert or hit), for LRU
+    spilled: object = None  # the storage tier's stub for a spilled entry
 
 
 @dataclass(eq=False)
@@ -55,10 +62,16 @@ def entry_nbytes(layers: Sequence[CompressedLayer]) -> int:
 
 
 class CompressedPrefixCache:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, spill=None, max_spilled: int = 4096):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"compressed prefix cache budget {budget_bytes!r} is invalid; accepted: bytes >= 0")
+        if isinstance(max_spilled, bool) or not isinstance(max_spilled, int) or max_spilled < 0:
+            raise ValueError(f"max_spilled {max_spilled!r} is invalid; accepted: an int >= 0")
         self.budget_bytes = budget_bytes
+        self.spill = spill  # (tokens, key, layers) -> stub or None; None: evicted entries are dropped
+        self.max_spilled = max_spilled
+        self.num_spilled = 0
+        self.spilled_hits = 0
         self.root = _Node(edge=(), parent=None)
         self.nbytes = 0
         self.num_entries = 0
@@ -87,7 +100,7 @@ class CompressedPrefixCache:
                 break
             node, pos = child, pos + len(child.edge)
             entry = node.entries.get(key)
-            if entry is not None:
+            if entry is not None and entry.layers is not None:
                 best_len, best = pos, entry
         if best is None:
             return 0, None
@@ -95,6 +108,26 @@ class CompressedPrefixCache:
         self.hits += count
         self.hit_tokens += best_len * count
         return best_len, best.layers
+
+    def match_spilled(self, tokens: Sequence[int], key: Hashable) -> tuple[int, object]:
+        """The longest prefix of ``tokens`` whose entry for ``key`` went to the storage
+        tier: (its length, the tier's stub), or (0, None)."""
+        tokens = tuple(tokens)
+        best_len, best = 0, None
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None or tokens[pos : pos + len(child.edge)] != child.edge:
+                break
+            node, pos = child, pos + len(child.edge)
+            entry = node.entries.get(key)
+            if entry is not None and entry.layers is None:
+                best_len, best = pos, entry
+        if best is None:
+            return 0, None
+        best.tick = next(self._clock)
+        self.spilled_hits += 1
+        return best_len, best.spilled
 
     # ------------------------------------------------------------------ insert / evict
 
@@ -111,12 +144,18 @@ class CompressedPrefixCache:
             raise ValueError(f"an entry for {len(tokens)} tokens has layers of {bad[0]} tokens")
         nbytes = entry_nbytes(layers)
         if nbytes > self.budget_bytes:
-            return False
+            stub = self.spill(tokens, key, layers) if self.spill is not None and self.max_spilled else None
+            if stub is None:
+                return False
+            node = self._node_for(tokens)
+            self._drop(node, key)
+            node.entries[key] = _Entry(None, 0, next(self._clock), stub)
+            self.num_spilled += 1
+            self.inserted += 1
+            self._trim_spilled()
+            return True
         node = self._node_for(tokens)
-        old = node.entries.pop(key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
-            self.num_entries -= 1
+        self._drop(node, key)
         node.entries[key] = _Entry(layers, nbytes, next(self._clock))
         self.nbytes += nbytes
         self.num_entries += 1
@@ -124,13 +163,24 @@ class CompressedPrefixCache:
         self.evict(self.budget_bytes)
         return True
 
+    def _drop(self, node: _Node, key: Hashable) -> None:
+        old = node.entries.pop(key, None)
+        if old is None:
+            return
+        if old.layers is None:
+            self.num_spilled -= 1
+        else:
+            self.nbytes -= old.nbytes
+            self.num_entries -= 1
+
     def evict(self, target_bytes: int) -> int:
         """Drop least recently used entries until at most ``target_bytes`` remain; returns
         the bytes freed (an entry just inserted has the newest tick: it goes last)."""
         freed = 0
         if self.nbytes <= target_bytes:
             return 0
-        victims = sorted(((e.tick, node, k) for node, k, e in self._entries()), key=lambda t: t[0])
+        victims = sorted(((e.tick, node, k) for node, k, e in self._entries() if e.layers is not None),
+                         key=lambda t: t[0])
         for _, node, k in victims:
             if self.nbytes <= target_bytes:
                 break
@@ -139,13 +189,39 @@ class CompressedPrefixCache:
             self.num_entries -= 1
             self.evicted += 1
             freed += entry.nbytes
-            self._prune(node)
+            stub = None
+            if self.spill is not None and self.max_spilled:
+                stub = self.spill(self._path(node), k, entry.layers)
+            if stub is not None:
+                node.entries[k] = _Entry(None, 0, entry.tick, stub)
+                self.num_spilled += 1
+            else:
+                self._prune(node)
+        self._trim_spilled()
         return freed
+
+    def _trim_spilled(self) -> None:
+        """Keep at most ``max_spilled`` stubs (the tier's own eviction bounds its bytes)."""
+        if self.num_spilled <= self.max_spilled:
+            return
+        stubs = sorted(((e.tick, node, k) for node, k, e in self._entries() if e.layers is None), key=lambda t: t[0])
+        for _, node, k in stubs[: self.num_spilled - self.max_spilled]:
+            del node.entries[k]
+            self.num_spilled -= 1
+            self._prune(node)
+
+    def _path(self, node: _Node) -> tuple[int, ...]:
+        edges = []
+        while node is not None:
+            edges.append(node.edge)
+            node = node.parent
+        return tuple(t for edge in reversed(edges) for t in edge)
 
     def clear(self) -> None:
         self.root = _Node(edge=(), parent=None)
         self.nbytes = 0
         self.num_entries = 0
+        self.num_spilled = 0
 
     # ------------------------------------------------------------------ tree plumbing
 
@@ -203,7 +279,7 @@ class CompressedPrefixCache:
         """Every edge non-empty and filed under its first token, parents consistent, every
         entry's layers exactly as long as its node's prefix, no leaf or pass-through node
         without an entry, and the byte / entry totals equal to the entries held."""
-        total, count = 0, 0
+        total, count, spilled = 0, 0, 0
         stack = [self.root]
         while stack:
             node = stack.pop()
@@ -215,12 +291,18 @@ class CompressedPrefixCache:
                 assert node.entries or len(node.children) >= 2, "an empty node that should have been pruned"
             depth = node.depth()
             for key, entry in node.entries.items():
+                if entry.layers is None:
+                    assert entry.nbytes == 0 and entry.spilled is not None, key
+                    assert getattr(entry.spilled, "num_tokens", depth) == depth, (key, depth)
+                    spilled += 1
+                    continue
                 assert all(l.num_tokens == depth for l in entry.layers), (key, depth)
                 assert entry.nbytes == entry_nbytes(entry.layers), key
                 total += entry.nbytes
                 count += 1
         assert total == self.nbytes, (total, self.nbytes)
         assert count == self.num_entries, (count, self.num_entries)
+        assert spilled == self.num_spilled <= self.max_spilled, (spilled, self.num_spilled, self.max_spilled)
         assert self.nbytes <= self.budget_bytes, (self.nbytes, self.budget_bytes)
 
 

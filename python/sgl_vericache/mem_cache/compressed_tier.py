@@ -1,0 +1,313 @@
+"""Compressed prefix entries in a storage tier (no SGLang imports).
+
+The compressed prefix cache (``compressed_prefix.py``) keeps entries within a device byte
+budget. With a storage tier behind it, an entry it evicts is not lost: it is encoded and
+written to the tier (SGLang's HiCache file backend, Mooncake's store, ...) on a writer
+thread, and the cache keeps a stub in its place (the token path, the storage key, the
+encoded size). A request whose prefix the device no longer holds (its full KV streaming
+in from the same tier) reads the stub's entry back on a reader thread -- several times
+smaller than the full KV, so it arrives first -- and drafts from it meanwhile: the paper's
+remote prefix reuse. Until the write finished the stub keeps the entry itself, and a read
+then needs no I/O.
+
+Encoding: a fixed magic, a JSON header (the layer classes, their scalar fields, each
+tensor's dtype, shape and byte range), the tensors' raw bytes, and a BLAKE2b digest over
+the entry's compressor key, its token ids, the header and the bytes. No pickle: a stored entry is data, never
+code. A read whose digest does not match (corrupt bytes, a short read, another prefix's
+entry under a colliding key) is a miss, counted, never an entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import struct
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Hashable, Optional, Protocol, Sequence
+
+import torch
+
+from sgl_vericache.mem_cache.compress import CompressedLayer
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"VCE1"
+_DIGEST = 16
+_PREFIX = struct.Struct("<4sI")  # magic, header length
+
+
+class CorruptEntryError(ValueError):
+    """Stored bytes that are not a valid entry for the prefix asked for."""
+
+
+class BlobStore(Protocol):
+    def put(self, key: str, data: bytes) -> bool: ...
+
+    def get(self, key: str, nbytes: int) -> Optional[bytes]: ...
+
+
+# ---------------------------------------------------------------------- encoding
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _layer_classes() -> dict[str, type]:
+    from sgl_vericache.mem_cache.compress.registry import available_compressors, compressor_class
+
+    for name in available_compressors():  # imports every built-in method's layer classes
+        compressor_class(name)
+    out, stack = {}, [CompressedLayer]
+    while stack:
+        cls = stack.pop()
+        out[_class_name(cls)] = cls
+        stack.extend(cls.__subclasses__())
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptEntryError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}q", *tokens)
+
+
+def encode_entry(tokens: Sequence[int], layers: Sequence[CompressedLayer], key: str = "") -> bytes:
+    """The bytes a storage tier holds for the entry of ``tokens`` (one layer per model
+    layer) made by the compressor ``key`` names (``repr`` of the cache's key)."""
+    blobs, described, offset = [], [], 0
+    for layer in layers:
+        fields, stored = {}, []
+        for f in dataclasses.fields(layer) if dataclasses.is_dataclass(layer) else ():
+            value = getattr(layer, f.name)
+            if isinstance(value, torch.Tensor):
+                raw = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                fields[f.name] = {"tensor": str(value.dtype), "shape": list(value.shape), "at": offset, "n": len(raw)}
+                blobs.append(raw)
+                stored.append(value)
+                offset += len(raw)
+            elif isinstance(value, torch.dtype):
+                fields[f.name] = {"dtype": str(value)}
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                fields[f.name] = {"value": value}
+            else:
+                raise TypeError(f"{type(layer).__name__}.{f.name} is a {type(value).__name__}: not storable")
+        if not dataclasses.is_dataclass(layer) or len(stored) != len(layer.tensors()):
+            raise TypeError(f"{type(layer).__name__} is not storable: its tensors are not all dataclass fields")
+        described.append({"class": _class_name(type(layer)), "fields": fields})
+    header = json.dumps({"num_tokens": len(tokens), "layers": described}, separators=(",", ":")).encode()
+    body = header + b"".join(blobs)
+    digest = hashlib.blake2b(key.encode() + b"\0" + _tokens_bytes(tokens) + body, digest_size=_DIGEST).digest()
+    return _PREFIX.pack(MAGIC, len(header)) + digest + body
+
+
+def decode_entry(data: bytes, tokens: Sequence[int], key: str = "") -> tuple[CompressedLayer, ...]:
+    """The layers ``encode_entry(tokens, layers, key)`` wrote, on the CPU;
+    ``CorruptEntryError`` for anything else (other tokens or compressor, flipped or missing
+    bytes, an unknown layer class)."""
+    start = _PREFIX.size + _DIGEST
+    if data is None or len(data) < start:
+        raise CorruptEntryError(f"{0 if data is None else len(data)} bytes: shorter than an entry's header")
+    magic, header_len = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptEntryError(f"magic {magic!r}, expected {MAGIC!r}")
+    body = memoryview(data)[start:]
+    digest = hashlib.blake2b(key.encode() + b"\0" + _tokens_bytes(tokens) + bytes(body), digest_size=_DIGEST).digest()
+    if digest != data[_PREFIX.size:start]:
+        raise CorruptEntryError(f"digest mismatch for a {len(tokens)}-token prefix of {key or 'no key'} "
+                                f"({len(data)} bytes)")
+    try:
+        header = json.loads(bytes(body[:header_len]))
+    except ValueError as e:
+        raise CorruptEntryError(f"unreadable header: {e}") from None
+    blob = body[header_len:]
+    classes = _layer_classes()
+    layers = []
+    for described in header["layers"]:
+        cls = classes.get(described["class"])
+        if cls is None:
+            raise CorruptEntryError(f"unknown layer class {described['class']!r}")
+        kwargs = {}
+        for name, spec in described["fields"].items():
+            if "tensor" in spec:
+                dtype, shape = _dtype(spec["tensor"]), spec["shape"]
+                raw = blob[spec["at"] : spec["at"] + spec["n"]]
+                t = torch.empty(shape, dtype=dtype)
+                if len(raw) != t.numel() * t.element_size():
+                    raise CorruptEntryError(f"{described['class']}.{name}: {len(raw)} bytes for {shape} {dtype}")
+                if len(raw):
+                    t.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+                kwargs[name] = t
+            elif "dtype" in spec:
+                kwargs[name] = _dtype(spec["dtype"])
+            else:
+                kwargs[name] = spec["value"]
+        layers.append(cls(**kwargs))
+    if any(layer.num_tokens != len(tokens) for layer in layers):
+        raise CorruptEntryError(f"layers do not represent {len(tokens)} tokens")
+    return tuple(layers)
+
+
+def move_entry(layers: Sequence[CompressedLayer], device) -> tuple[CompressedLayer, ...]:
+    """The entry with every tensor on ``device`` (the layers themselves are values: copies)."""
+    def moved(layer):
+        changes = {f.name: getattr(layer, f.name).to(device) for f in dataclasses.fields(layer)
+                   if isinstance(getattr(layer, f.name), torch.Tensor)}
+        return dataclasses.replace(layer, **changes)
+
+    return tuple(moved(layer) for layer in layers)
+
+
+def storage_key(tokens: Sequence[int], key: str) -> str:
+    """Where an entry lives in the tier: a hash of the compressor key and the token ids."""
+    h = hashlib.blake2b(key.encode() + b"\0" + _tokens_bytes(tokens), digest_size=16)
+    return "vericache-c-" + h.hexdigest()
+
+
+# ---------------------------------------------------------------------- the tier
+
+
+@dataclass(eq=False)
+class SpilledEntry:
+    """The stub the compressed prefix cache keeps for an entry it sent to the tier."""
+
+    storage_key: str
+    num_tokens: int
+    key: str  # repr of the compressor key: part of the digest
+    nbytes: int = 0  # encoded size, once written
+    layers: Optional[tuple] = None  # the entry itself until its write finished (reads need no I/O)
+    failed: bool = False  # the write did not happen: the stub holds nothing
+
+
+class CompressedTier:
+    """Writes evicted compressed entries to a ``BlobStore`` and reads them back, each on a
+    thread of its own so neither waits behind the other. ``spill`` and ``fetch`` are called
+    from the scheduler thread and never block on I/O."""
+
+    def __init__(self, store: BlobStore, max_pending_bytes: int = 256 << 20):
+        self.store = store
+        self.max_pending_bytes = max_pending_bytes
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vericache-tier-write")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="vericache-tier-read")
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self.counters = dict.fromkeys(
+            ("spilled_entries", "spilled_bytes", "spill_failures", "spills_dropped", "fetches", "fetched_bytes",
+             "fetch_seconds", "fetch_misses", "fetch_corrupt", "fetches_from_memory"), 0)
+
+    def _count(self, name: str, n=1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def snapshot(self) -> dict:
+        """The counters, consistent with one another (the threads update them under a lock)."""
+        with self._lock:
+            return dict(self.counters)
+
+    # -------------------------------------------------------------- write
+
+    def spill(self, tokens: Sequence[int], key: Hashable, layers: Sequence[CompressedLayer]) -> Optional[SpilledEntry]:
+        """Start writing the entry of ``tokens`` for ``key``; the stub, or None when too many
+        bytes are already waiting to be written (the entry is then dropped, as without a tier)."""
+        tokens, layers = tuple(tokens), tuple(layers)
+        size = sum(layer.nbytes() for layer in layers)
+        with self._lock:
+            if self._pending_bytes + size > self.max_pending_bytes:
+                self.counters["spills_dropped"] += 1
+                return None
+            self._pending_bytes += size
+        if any(t.device.type != "cpu" for layer in layers for t in layer.tensors()):
+            layers = move_entry(layers, "cpu")  # here, on the scheduler's stream, not on the writer thread
+        name = repr(key)
+        stub = SpilledEntry(storage_key(tokens, name), len(tokens), name, layers=layers)
+        self._writer.submit(self._write, stub, tokens, size)
+        return stub
+
+    def _write(self, stub: SpilledEntry, tokens: tuple, size: int) -> None:
+        try:
+            data = encode_entry(tokens, stub.layers, stub.key)
+            ok = bool(self.store.put(stub.storage_key, data))
+        except Exception as e:  # a store that raises is a store that failed this write
+            logger.warning("VeriCache: writing a compressed entry to the storage tier failed: %s", e)
+            ok, data = False, b""
+        stub.nbytes = len(data)
+        stub.failed = not ok
+        stub.layers = None
+        with self._lock:
+            self._pending_bytes -= size
+            self.counters["spilled_entries" if ok else "spill_failures"] += 1
+            self.counters["spilled_bytes"] += len(data) if ok else 0
+
+    # -------------------------------------------------------------- read
+
+    def fetch(self, tokens: Sequence[int], stub: SpilledEntry) -> "Future[Optional[tuple]]":
+        """The entry behind ``stub`` (CPU tensors; ``move_entry`` them where they are used),
+        or None if the tier no longer has it or its bytes are not that entry."""
+        layers = stub.layers
+        if layers is not None:  # still being written: no I/O
+            self._count("fetches_from_memory")
+            done: Future = Future()
+            done.set_result(layers)
+            return done
+        if stub.failed:
+            done = Future()
+            done.set_result(None)
+            return done
+        return self._reader.submit(self._read, tuple(tokens), stub)
+
+    def _read(self, tokens: tuple, stub: SpilledEntry) -> Optional[tuple]:
+        t0 = time.perf_counter()
+        try:
+            data = self.store.get(stub.storage_key, stub.nbytes)
+        except Exception as e:
+            logger.warning("VeriCache: reading a compressed entry from the storage tier failed: %s", e)
+            data = None
+        if not data:
+            self._count("fetch_misses")
+            return None
+        try:
+            layers = decode_entry(data, tokens, stub.key)
+        except CorruptEntryError as e:
+            logger.warning("VeriCache: a compressed entry read from the storage tier is corrupt (%s); "
+                           "treated as a miss", e)
+            self._count("fetch_corrupt")
+            return None
+        with self._lock:
+            self.counters["fetches"] += 1
+            self.counters["fetched_bytes"] += len(data)
+            self.counters["fetch_seconds"] += time.perf_counter() - t0
+        return layers
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every write started so far finished (tests, shutdown)."""
+        self._writer.submit(lambda: None).result(timeout)
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+
+
+class DictBlobStore:
+    """A ``BlobStore`` in this process's memory (unit tests; a tier for nothing else)."""
+
+    def __init__(self):
+        self.blobs: dict[str, bytes] = {}
+
+    def put(self, key: str, data: bytes) -> bool:
+        self.blobs[key] = bytes(data)
+        return True
+
+    def get(self, key: str, nbytes: int) -> Optional[bytes]:
+        return self.blobs.get(key)
+
+

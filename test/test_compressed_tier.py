@@ -1,0 +1,380 @@
+"""Compressed prefix entries in a storage tier (``mem_cache/compressed_tier.py``): every
+compressor's entry survives encode / decode bit for bit; a stored entry read back for
+another prefix, another compressor or with damaged bytes is refused; the tier's writer and
+reader threads, its pending-bytes cap and a failing store; and the compressed prefix cache
+spilling what it evicts (random sequences against a reference, with integrity after every
+step). The end-to-end path (SGLang's file backend, drafting from an entry read back) is in
+``test_fetch_drafting.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sgl_vericache.mem_cache.compress import get_compressor
+from sgl_vericache.mem_cache.compress.registry import available_compressors
+from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
+from sgl_vericache.mem_cache.compressed_tier import (
+    CompressedTier,
+    CorruptEntryError,
+    DictBlobStore,
+    decode_entry,
+    encode_entry,
+    move_entry,
+    storage_key,
+)
+
+
+def _same(a, b) -> bool:
+    """Bit-identical layers: same class, same scalars, tensors equal byte for byte."""
+    if type(a) is not type(b):
+        return False
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            if not isinstance(y, torch.Tensor) or x.dtype != y.dtype or x.shape != y.shape:
+                return False
+            if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _entry(name, tokens=48, layers=2, seed=0, **options):
+    torch.manual_seed(seed)
+    comp = get_compressor(name, None if name == "full" else 4.0, **options)
+    out = []
+    for _ in range(layers):
+        k, v = torch.randn(tokens, 2, 8), torch.randn(tokens, 2, 8)
+        q = torch.randn(8, 4, 8) if comp.needs_queries else None
+        layer = comp.compress(k[: tokens - 5], v[: tokens - 5], q)
+        out.append(comp.append(layer, k[tokens - 5 :], v[tokens - 5 :]))  # an entry that grew by append
+    return comp, out
+
+
+@pytest.mark.parametrize("name", available_compressors())
+def test_every_compressor_entry_roundtrips_bit_identical(name):
+    comp, layers = _entry(name)
+    tokens = tuple(range(100, 148))
+    data = encode_entry(tokens, layers, repr(comp))
+    back = decode_entry(data, tokens, repr(comp))
+    assert len(back) == len(layers)
+    assert all(_same(a, b) for a, b in zip(layers, back))
+    assert all(b.num_tokens == 48 for b in back)
+    # and the draft attention over it answers the same
+    q = torch.randn(1, 4, 8)
+    extra = torch.randn(1, 2, 8)
+    assert torch.equal(comp.attend(layers[0], q, 0.125, extra, extra), comp.attend(back[0], q, 0.125, extra, extra))
+
+
+def test_a_stored_entry_is_refused_for_anything_but_its_own_prefix():
+    comp, layers = _entry("kivi4")
+    tokens = tuple(range(48))
+    data = encode_entry(tokens, layers, "kivi4@4")
+    with pytest.raises(CorruptEntryError, match="digest mismatch for a 48-token prefix"):
+        decode_entry(data, tokens[:-1] + (7,), "kivi4@4")  # another prefix under a colliding key
+    with pytest.raises(CorruptEntryError, match="digest mismatch"):
+        decode_entry(data, tokens, "kivi2@8")  # another compressor
+    for at in (0, 5, len(data) // 2, len(data) - 1):  # one flipped byte anywhere
+        bad = bytearray(data)
+        bad[at] ^= 0x40
+        with pytest.raises(CorruptEntryError):
+            decode_entry(bytes(bad), tokens, "kivi4@4")
+    with pytest.raises(CorruptEntryError, match="digest mismatch"):
+        decode_entry(data[:-3], tokens, "kivi4@4")  # a short read
+    with pytest.raises(CorruptEntryError, match="shorter than an entry's header"):
+        decode_entry(b"VCE1", tokens, "kivi4@4")
+    with pytest.raises(CorruptEntryError, match="shorter than an entry's header"):
+        decode_entry(None, tokens, "kivi4@4")
+    assert storage_key(tokens, "a") != storage_key(tokens, "b") != storage_key(tokens[:-1], "b")
+
+
+def test_an_entry_whose_tensors_are_not_fields_is_not_storable():
+    from sgl_vericache.mem_cache.compress.base import CompressedLayer
+
+    class Opaque(CompressedLayer):
+        def __init__(self):
+            super().__init__(3, 1, 1, torch.float32)
+            self.t = torch.zeros(3)
+
+        def tensors(self):
+            return [self.t]
+
+    with pytest.raises(TypeError, match="Opaque is not storable"):
+        encode_entry((1, 2, 3), [Opaque()])
+
+
+def test_move_entry_copies_and_keeps_values():
+    _, layers = _entry("int8")
+    moved = move_entry(layers, "cpu")
+    assert all(_same(a, b) for a, b in zip(layers, moved))
+    assert all(a is not b for a, b in zip(layers, moved))
+
+
+class _Gate(DictBlobStore):
+    """A store whose writes wait until released (a slow store), and that can fail."""
+
+    def __init__(self):
+        super().__init__()
+        self.open = threading.Event()
+        self.fail_puts = False
+        self.fail_gets = False
+
+    def put(self, key, data):
+        self.open.wait(10)
+        if self.fail_puts:
+            raise OSError("disk full")
+        return super().put(key, data)
+
+    def get(self, key, nbytes):
+        if self.fail_gets:
+            raise ConnectionError("store unreachable")
+        return super().get(key, nbytes)
+
+
+def test_tier_spill_then_fetch_from_memory_then_from_the_store():
+    store = _Gate()
+    tier = CompressedTier(store)
+    comp, layers = _entry("snapkv")
+    tokens = tuple(range(48))
+    stub = tier.spill(tokens, comp, layers)
+    assert stub is not None and stub.num_tokens == 48 and stub.layers is not None
+    # the write waits: a read is answered from the stub without I/O
+    got = tier.fetch(tokens, stub).result(5)
+    assert all(_same(a, b) for a, b in zip(layers, got))
+    store.open.set()
+    tier.drain()
+    assert stub.layers is None and not stub.failed and stub.nbytes == len(store.blobs[stub.storage_key])
+    got = tier.fetch(tokens, stub).result(5)
+    assert all(_same(a, b) for a, b in zip(layers, got))
+    c = tier.snapshot()
+    assert (c["spilled_entries"], c["fetches"], c["fetches_from_memory"]) == (1, 1, 1)
+    assert c["spilled_bytes"] == c["fetched_bytes"] == stub.nbytes > 0
+    # gone from the store (its own eviction): a miss, counted
+    store.blobs.clear()
+    assert tier.fetch(tokens, stub).result(5) is None
+    # damaged in the store: refused, counted
+    store.blobs[stub.storage_key] = b"VCE1" + bytes(stub.nbytes)
+    assert tier.fetch(tokens, stub).result(5) is None
+    store.fail_gets = True
+    assert tier.fetch(tokens, stub).result(5) is None
+    c = tier.snapshot()
+    assert (c["fetch_misses"], c["fetch_corrupt"], c["fetches"]) == (2, 1, 1)
+    tier.close()
+
+
+def test_tier_failing_store_and_pending_cap():
+    store = _Gate()
+    store.fail_puts = True
+    _, layers = _entry("int8")
+    size = sum(l.nbytes() for l in layers)
+    tier = CompressedTier(store, max_pending_bytes=2 * size)
+    a = tier.spill((1,) * 48, "k", layers)
+    b = tier.spill((2,) * 48, "k", layers)
+    assert a is not None and b is not None
+    assert tier.spill((3,) * 48, "k", layers) is None  # two entries' bytes already wait
+    store.open.set()
+    tier.drain()
+    assert a.failed and b.failed and a.layers is None
+    assert tier.fetch((1,) * 48, a).result(5) is None  # a failed write holds nothing
+    c = tier.snapshot()
+    assert (c["spill_failures"], c["spills_dropped"], c["spilled_entries"]) == (2, 1, 0)
+    assert tier.spill((3,) * 48, "k", layers) is not None  # the cap is free again
+    tier.close()
+
+
+def test_prefix_cache_spills_what_it_evicts_and_finds_it_again():
+    tier = CompressedTier(DictBlobStore())
+    comp, layers = _entry("kivi4")
+    size = sum(l.nbytes() for l in layers)
+    cache = CompressedPrefixCache(size, spill=lambda t, k, l: tier.spill(t, k, l))
+    a, b = tuple(range(48)), tuple(range(1, 49))
+    assert cache.insert(a, comp, layers)
+    assert cache.insert(b, comp, _entry("kivi4", seed=1)[1])  # a is evicted: spilled
+    cache.check_integrity()
+    assert (cache.num_entries, cache.num_spilled, cache.evicted) == (1, 1, 1)
+    assert cache.match(a + (5,), comp) == (0, None)  # match sees resident entries only
+    n, stub = cache.match_spilled(a + (5,), comp)
+    assert n == 48 and stub.num_tokens == 48 and cache.spilled_hits == 1
+    assert cache.match_spilled(b, comp) == (0, None)  # b is resident
+    assert cache.match_spilled(a, "other") == (0, None)
+    tier.drain()
+    got = tier.fetch(a, stub).result(5)
+    assert all(_same(x, y) for x, y in zip(layers, got))
+    # filed again (promoted): resident, the stub replaced, b spilled in its turn
+    assert cache.insert(a, comp, got)
+    cache.check_integrity()
+    assert cache.match(a, comp)[0] == 48 and cache.match_spilled(a, comp) == (0, None)
+    assert cache.match_spilled(b, comp)[0] == 48
+    # an entry larger than the whole budget goes to the tier directly
+    big = tuple(range(200, 296))
+    assert cache.insert(big, comp, _entry("kivi4", tokens=96)[1])
+    assert cache.match_spilled(big, comp)[0] == 96 and cache.match(big, comp) == (0, None)
+    cache.check_integrity()
+    tier.close()
+
+
+class Reference:
+    """Resident entries with LRU ticks, and spilled ones (keys only, at most ``max_spilled``,
+    the least recently used dropped first). Entries are 16 bytes a token."""
+
+    def __init__(self, budget, max_spilled):
+        self.budget, self.max_spilled = budget, max_spilled
+        self.resident, self.spilled, self.clock = {}, {}, 0
+
+    def nbytes(self):
+        return sum(16 * len(t) for (_, t) in self.resident)
+
+    def _tick(self):
+        self.clock += 1
+        return self.clock
+
+    def _spill(self, item, tick):
+        if self.max_spilled:
+            self.spilled[item] = tick
+        while len(self.spilled) > self.max_spilled:
+            del self.spilled[min(self.spilled, key=self.spilled.get)]
+
+    def insert(self, tokens, key):
+        if not tokens:
+            return False
+        item = (key, tokens)
+        if 16 * len(tokens) > self.budget and not self.max_spilled:
+            return False  # refused: whatever was filed under it stays
+        self.resident.pop(item, None)
+        self.spilled.pop(item, None)
+        if 16 * len(tokens) > self.budget:
+            self._spill(item, self._tick())
+            return True
+        self.resident[item] = self._tick()
+        self.evict(self.budget)
+        return True
+
+    def evict(self, target):
+        while self.nbytes() > target:
+            victim = min(self.resident, key=self.resident.get)
+            self._spill(victim, self.resident.pop(victim))
+
+    def _best(self, table, tokens, key):
+        return max((len(t) for (k, t) in table if k == key and tokens[: len(t)] == t), default=0)
+
+    def match(self, tokens, key):
+        best = self._best(self.resident, tokens, key)
+        if best:
+            self.resident[(key, tokens[:best])] = self._tick()
+        return best
+
+    def match_spilled(self, tokens, key):
+        best = self._best(self.spilled, tokens, key)
+        if best:
+            self.spilled[(key, tokens[:best])] = self._tick()
+        return best
+
+
+class _Layer(dataclasses.make_dataclass("_LayerBase", [("t", torch.Tensor)],
+                                        bases=(__import__("sgl_vericache.mem_cache.compress.base",
+                                                          fromlist=["CompressedLayer"]).CompressedLayer,))):
+    def tensors(self):
+        return [self.t]
+
+
+def _layers(n):
+    return [_Layer(n, 1, 1, torch.float32, torch.full((n, 2), float(n))) for _ in range(2)]  # 16 bytes a token
+
+
+tok_seq = st.lists(st.integers(0, 3), min_size=0, max_size=12).map(tuple)
+ops = st.lists(st.tuples(st.sampled_from(["insert", "match", "spilled", "evict"]), tok_seq,
+                         st.sampled_from(["a", "b"]), st.integers(0, 400)), min_size=1, max_size=60)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, budget=st.integers(0, 400), max_spilled=st.integers(0, 4))
+def test_random_sequences_with_a_tier_match_the_reference(ops, budget, max_spilled):
+    stubs = []
+
+    def spill(tokens, key, layers):  # the tier's role, without threads: a stub carrying the entry
+        from sgl_vericache.mem_cache.compressed_tier import SpilledEntry
+
+        stub = SpilledEntry(storage_key(tokens, repr(key)), len(tokens), repr(key), layers=tuple(layers))
+        stubs.append(stub)
+        return stub
+
+    cache, ref = CompressedPrefixCache(budget, spill=spill, max_spilled=max_spilled), Reference(budget, max_spilled)
+    for op, tokens, key, target in ops:
+        if op == "insert":
+            assert cache.insert(tokens, key, _layers(len(tokens))) == ref.insert(tokens, key)
+        elif op == "match":
+            n, layers = cache.match(tokens, key)
+            assert n == ref.match(tokens, key), (tokens, key)
+            assert layers is None or all(l.num_tokens == n for l in layers)
+        elif op == "spilled":
+            n, stub = cache.match_spilled(tokens, key)
+            assert n == ref.match_spilled(tokens, key), (tokens, key)
+            assert (stub is None) == (n == 0)
+            if stub is not None:  # the stub is the entry evicted for exactly that prefix
+                assert stub.num_tokens == n and stub.key == repr(key)
+                assert all(torch.equal(l.t, torch.full((n, 2), float(n))) for l in stub.layers)
+        else:
+            cache.evict(target)
+            ref.evict(target)
+        cache.check_integrity()
+        assert cache.nbytes == ref.nbytes() and cache.num_entries == len(ref.resident)
+        assert cache.num_spilled == len(ref.spilled)
+    cache.clear()
+    cache.check_integrity()
+    assert cache.num_spilled == 0 and not cache.root.children
+
+
+def test_bad_max_spilled_is_refused():
+    with pytest.raises(ValueError, match="max_spilled -1 is invalid; accepted: an int >= 0"):
+        CompressedPrefixCache(10, spill=lambda *a: None, max_spilled=-1)
+
+
+def test_blob_stores_over_sglang_file_backends(tmp_path):
+    """The adapter finds a blob store under SGLang's fault injector (and VeriCache's page
+    checksums) in the file backend and its throttled subclass; an entry written through it
+    is a file beside the pages and reads back bit-identical; a backend that takes no blobs
+    gives none."""
+    import sys
+    from pathlib import Path
+
+    from sgl_vericache import cpu_compat
+
+    cpu_compat.install()
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheFile,
+        HiCacheStorageConfig,
+        HiCacheStorageFailureInjector,
+    )
+
+    from sgl_vericache.sglang_adapter import _blob_store
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+    from throttled_store import ThrottledFile
+
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                  model_name="m", extra_config={"file_storage_path": str(tmp_path / "f"),
+                                                                "throttle_mb_per_s": 100})
+    comp, layers = _entry("kivi2")
+    tokens = tuple(range(48))
+    for backend in (HiCacheFile(config), HiCacheStorageFailureInjector(ThrottledFile(config), 0.0, 0.0)):
+        blobs = _blob_store(backend)
+        assert type(blobs).__name__ == "_FileBlobs"
+        tier = CompressedTier(blobs)
+        stub = tier.spill(tokens, comp, layers)
+        tier.drain()
+        assert not stub.failed and stub.nbytes > 0
+        assert list((tmp_path / "f").glob(stub.storage_key + "*.bin"))
+        got = tier.fetch(tokens, stub).result(10)
+        assert got is not None and all(_same(a, b) for a, b in zip(layers, got))
+        tier.close()
+    inner = backend._backend
+    assert inner.bytes_read >= stub.nbytes  # the read went through the throttle
+    assert _blob_store(object()) is None
