@@ -110,13 +110,9 @@ def _trace(engine, tok):
     return turns
 
 
-def test_drafts_while_the_prefix_streams_in_from_storage(default_model_path, tmp_path, monkeypatch, capfd):
-    """Engine A (speculation off, everything on the device) gives the reference. Engine B
-    (VERICACHE, a 1024-token device pool, a host tier of 2048 tokens, the throttled file
-    store): five ~440-token conversations overflow both tiers, so agent 0's second turn
-    finds its prefix only in storage; SGLang holds it back while the prefix streams in,
-    and B drafts for it meanwhile from the compressed entry its first turn left. Its first
-    rounds verify those drafts. B's token ids must equal A's."""
+@pytest.fixture(scope="module")
+def reference(default_model_path):
+    """Engine A: speculation off, everything on the device."""
     from transformers import AutoTokenizer
 
     from sgl_vericache.config import VeriCacheConfig
@@ -125,31 +121,45 @@ def test_drafts_while_the_prefix_streams_in_from_storage(default_model_path, tmp
     VeriCacheConfig().to_env()
     engine = _engine(default_model_path, max_total_tokens=4096)
     try:
-        reference = _trace(engine, tok)
+        return _trace(engine, tok)
     finally:
         engine.shutdown()
 
+
+def _vericache_trace(model_path, store_dir, monkeypatch, compressed_cache_mb):
+    """Engine B: VERICACHE, a 1024-token device pool, a host tier of 2048 tokens, the
+    throttled file store. Returns (turns, VeriCache's counters)."""
+    from transformers import AutoTokenizer
+
+    from sgl_vericache.config import VeriCacheConfig
+
+    tok = AutoTokenizer.from_pretrained(model_path)
     monkeypatch.syspath_prepend(str(BENCH))  # the scheduler imports throttled_store from here
     monkeypatch.setenv("VERICACHE_CHECK_INTEGRITY", "1")
     store = {"backend_name": "throttled_file", "module_path": "throttled_store", "class_name": "ThrottledFile",
-             "file_storage_path": str(tmp_path / "kv"), "throttle_mb_per_s": 10}
-    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8, fetch_draft_tokens=32).to_env()
-    engine = _engine(default_model_path, speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
+             "file_storage_path": str(store_dir), "throttle_mb_per_s": 10}
+    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8, fetch_draft_tokens=32,
+                    compressed_cache_mb=compressed_cache_mb).to_env()
+    engine = _engine(model_path, speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
                      speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024,
                      radix_cache_backend="vericache", enable_hierarchical_cache=True, hicache_ratio=2.0,
                      hicache_io_backend="kernel", hicache_mem_layout="page_first",
                      hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(store),
                      hicache_storage_prefetch_policy="wait_complete")
     try:
-        ours = _trace(engine, tok)
+        turns = _trace(engine, tok)
         stats = engine.get_server_info()["internal_states"][0]["vericache"]
     finally:
         engine.shutdown()
-    fetch = {k: v for k, v in stats.items() if k.startswith("fetch_draft")}
+    return turns, stats
+
+
+def _check(ours, reference, stats, capfd):
+    fetch = {k: v for k, v in stats.items() if k.startswith(("fetch_draft", "compressed_tier", "compressed_prefix"))}
     with capfd.disabled():
         print("\nper turn (device/host/storage hit tokens, seconds):",
               [(d.get("device", 0), d.get("host", 0), d.get("storage", 0), round(s, 2)) for _, d, s in ours],
-              "\nfetch drafting:", fetch, flush=True)
+              "\ncounters:", fetch, flush=True)
     second = ours[CONVERSATIONS]  # agent 0's second turn
     assert second[1].get("storage", 0) > 400, second[1]  # its prefix came from the store
     assert fetch["fetch_draft_requests"] >= 1 and fetch["fetch_draft_tokens"] > 0, fetch
@@ -157,3 +167,34 @@ def test_drafts_while_the_prefix_streams_in_from_storage(default_model_path, tmp
     failures = [f"turn {i}: ours {o[:8]}... vs reference {r[:8]}..."
                 for i, ((o, _, _), (r, _, _)) in enumerate(zip(ours, reference)) if o != r]
     assert len(ours) == len(reference) and not failures, "\n".join(failures)
+    return fetch
+
+
+def test_drafts_while_the_prefix_streams_in_from_storage(default_model_path, reference, tmp_path, monkeypatch,
+                                                         capfd):
+    """Five ~440-token conversations overflow the device and host tiers, so agent 0's
+    second turn finds its prefix only in storage; SGLang holds it back while the prefix
+    streams in, and B drafts for it meanwhile from the compressed entry its first turn left
+    in the prefix cache (512 MiB: every entry stays on the device). Its first rounds
+    verify those drafts. B's token ids must equal A's."""
+    ours, stats = _vericache_trace(default_model_path, tmp_path / "kv", monkeypatch, compressed_cache_mb=512)
+    fetch = _check(ours, reference, stats, capfd)
+    assert fetch["fetch_draft_tier_entries"] == 0 and fetch["compressed_tier_spilled_entries"] == 0, fetch
+
+
+def test_drafts_from_a_compressed_entry_read_back_from_storage(default_model_path, reference, tmp_path,
+                                                               monkeypatch, capfd):
+    """The same trace with a 1 MiB compressed prefix cache: every conversation's entry (about
+    8 MB for a 440-token kivi4 prefix, fp32 residual window included) is larger than the budget, so the cache writes it to the file
+    store SGLang's HiCache uses and keeps a stub. Agent 0's second turn reads its entry back
+    (through the same 10 MB/s throttle; several times smaller than the full KV, so it
+    arrives first), drafts from it while the full prefix streams in, and the drafts verify.
+    Token ids equal A's."""
+    ours, stats = _vericache_trace(default_model_path, tmp_path / "kv", monkeypatch, compressed_cache_mb=1)
+    fetch = _check(ours, reference, stats, capfd)
+    assert fetch["compressed_tier_spilled_entries"] >= CONVERSATIONS, fetch
+    assert fetch["compressed_prefix_spilled"] >= CONVERSATIONS, fetch  # the conversations' entries are stubs
+    assert fetch["fetch_draft_tier_entries"] >= 1, fetch
+    assert fetch["compressed_tier_fetches"] + fetch["compressed_tier_fetches_from_memory"] >= 1, fetch
+    assert fetch["compressed_tier_fetch_corrupt"] == 0 and fetch["compressed_tier_spill_failures"] == 0, fetch
+    assert list((tmp_path / "kv").glob("vericache-c-*")), "no compressed entry file in the store"

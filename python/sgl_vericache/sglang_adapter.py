@@ -248,9 +248,11 @@ def _build_worker_class():
             self._queued_rows = ()  # batch rows whose drafts this round were made while they waited
             # Drafting while SGLang fetches a waiting request's prefix from a storage tier.
             self.fetch_drafter = None
+            self.tier = None  # CompressedTier: evicted compressed entries in the storage tier
             if self.vc.fetch_draft_tokens > 0 and self.prefix_cache is not None:
                 self.fetch_drafter = _FetchDrafter(self)
                 _install_fetch_drafting()
+            self._tier_pending = self.fetch_drafter is not None  # attached at the first forward
             if self.vc.full_device_budget >= 0:
                 _check_parking_args(get_memory().radix_cache_backend, self.page_size)
             _install_verify_sampler()
@@ -294,6 +296,9 @@ def _build_worker_class():
             return min(self.max_width, 1 + max(draft_len for _, draft_len in map(self._plan, batch.reqs)))
 
         def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+            if self._tier_pending:
+                self._tier_pending = False
+                self.tier = _attach_compressed_tier(self)
             is_round = batch.forward_mode.is_decode()
             width = self._round_width(batch) if is_round else self.max_width
             self._set_width(width)
@@ -336,6 +341,8 @@ def _build_worker_class():
                 self.stats.add("fetch_draft_accepted", sum(lens[i] - 1 for i in self._queued_rows))
             self._queued_rows = ()
             self.stats.end_iteration()
+            if self.tier is not None:
+                self.stats.tier(self.tier)
             return result
 
         def _parking(self):
@@ -688,6 +695,84 @@ def _build_draft_weights(mode: str, model_runner):
     return weights
 
 
+def _attach_compressed_tier(worker):
+    """Behind the worker's compressed prefix cache, the HiCache storage tier SGLang runs
+    (when it has one VeriCache can write blobs to): evicted entries go there, for drafting
+    while a request's full prefix streams in from the same tier. None without one."""
+    from sgl_vericache.mem_cache.compressed_tier import CompressedTier
+
+    tree = next(iter(_TREE_CACHES), None)
+    backend = getattr(getattr(tree, "cache_controller", None), "storage_backend", None)
+    blobs = _blob_store(backend) if backend is not None else None
+    if blobs is None:
+        if backend is not None:
+            logger.info("VeriCache: compressed entries stay on the device: the storage backend %s takes no blobs",
+                        type(backend).__name__)
+        return None
+    tier = CompressedTier(blobs)
+
+    def spill(tokens, key, layers):  # entries of other weights never come back: the key says which
+        return tier.spill(tokens, (key, worker._weights_gen), layers)
+
+    worker.prefix_cache.spill = spill
+    logger.info("VeriCache: compressed entries evicted from the prefix cache go to the storage tier (%s)",
+                type(blobs).__name__)
+    return tier
+
+
+class _FileBlobs:
+    """Blobs in SGLang's file storage backend (a file each, beside its pages; reads through
+    the backend's ``batch_get``, so a throttled subclass throttles them too)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def put(self, key, data):
+        import torch
+
+        return bool(self.backend.set(key, torch.frombuffer(bytearray(data), dtype=torch.uint8)))
+
+    def get(self, key, nbytes):
+        import torch
+
+        if nbytes <= 0:
+            return None
+        (page,) = self.backend.batch_get([key], [torch.empty(nbytes, dtype=torch.uint8)])
+        return None if page is None else page.numpy().tobytes()
+
+
+class _MooncakeBlobs:
+    """Blobs in Mooncake's store (``put`` / ``get`` of bytes, beside SGLang's zero-copy pages)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def put(self, key, data):
+        return self.store.put(key, data) == 0
+
+    def get(self, key, nbytes):
+        data = self.store.get(key)
+        return data or None
+
+
+def _blob_store(backend):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageFailureInjector
+
+    core = backend
+    for _ in range(4):  # under VeriCache's page checksums and SGLang's fault injector
+        if isinstance(core, HiCacheStorageFailureInjector):
+            core = core._backend
+        elif _checked_cls is not None and isinstance(core, _checked_cls):
+            core = core.inner
+        else:
+            break
+    if isinstance(core, HiCacheFile):
+        return _FileBlobs(core)
+    if type(core).__name__ == "MooncakeStore" and hasattr(getattr(core, "store", None), "put"):
+        return _MooncakeBlobs(core.store)
+    return None
+
+
 def _build_prefix_cache(vc: "VeriCacheConfig"):
     from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
 
@@ -812,6 +897,7 @@ class _FetchJob:
         self.next = None  # the last step's argmax: the next step's input once forcing is done
         self.drafts = []
         self.polled = time.monotonic()
+        self.entry = None  # a Future of the compressed entry read back from the storage tier, until seeded
 
 
 class _FetchDrafter:
@@ -823,7 +909,9 @@ class _FetchDrafter:
     ``_install_fetch_drafting``) this drafts for it for about ``STEP_SECONDS``: the prefix's
     compressed entry (VeriCache's compressed prefix cache keeps entries after the full KV
     left the device and host, the eviction order the tiers promise) seeds a draft store of
-    its own; the prompt's tokens past the entry are fed one by one through draft attention
+    its own (an entry the cache sent on to the storage tier is read back first, on the
+    tier's reader thread: polls until it arrives draft nothing); the prompt's tokens past
+    the entry are fed one by one through draft attention
     (teacher forcing: their provisional KV lives in that store's round buffer only), then it
     drafts freely, up to ``--vericache-fetch-draft-tokens``. When the prefetch completes the
     drafts made so far are queued (``DraftQueue``) and the request is admitted as usual:
@@ -889,6 +977,11 @@ class _FetchDrafter:
         tokens = [int(t) for t in req.origin_input_ids]
         w._weights_changed()
         n, layers = w.prefix_cache.match(tokens[:-1], compressor, count=False)
+        entry = None
+        if w.tier is not None:
+            spilled_n, stub = w.prefix_cache.match_spilled(tokens[:-1], compressor)
+            if spilled_n > n and len(tokens) - spilled_n <= self.MAX_FORCED:
+                n, layers = spilled_n, None
         if not n or len(tokens) - n > self.MAX_FORCED:
             return None
         # drafts for output positions 0 .. wanted-1 (position 0 is checked against the
@@ -896,18 +989,49 @@ class _FetchDrafter:
         wanted = min(w.vc.fetch_draft_tokens, req.sampling_params.max_new_tokens or w.vc.fetch_draft_tokens)
         if wanted < 2:
             return None
+        if layers is None:
+            entry = w.tier.fetch(tokens[:n], stub)  # on the tier's reader thread
         steps = len(tokens) - n + wanted - 1
-        key = ("fetch-draft", req.rid)
-        self.store.clear()
-        self.store.seed(key, compressor, layers, n)
-        self.store.begin_round([key], steps)
         one = torch.ones(1, dtype=torch.int64, device=w.device)
         fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1, input_ids=one,
                           req_pool_indices=one * 0, seq_lens=one * (n + 1), out_cache_loc=None,
                           seq_lens_sum=n + 1, positions=one * n, seq_lens_cpu=torch.tensor([n + 1]),
                           capture_hidden_mode=CaptureHiddenMode.NULL)
         w.stats.add("fetch_draft_requests", 1)
-        return _FetchJob(req, compressor, tokens[n:], n, steps, fb)
+        job = _FetchJob(req, compressor, tokens[n:], n, steps, fb)
+        if entry is None:
+            self._seed(job, layers)
+        else:
+            job.entry = entry
+            w.stats.add("fetch_draft_tier_entries", 1)
+        return job
+
+    def _seed(self, job, layers) -> None:
+        key = ("fetch-draft", job.req.rid)
+        self.store.clear()
+        self.store.seed(key, job.compressor, layers, job.start)
+        self.store.begin_round([key], job.steps)
+
+    def _entry_arrived(self, job) -> bool:
+        """Whether ``job`` can draft: its compressed entry is seeded (read back from the
+        tier now if it just arrived; promoted into the prefix cache). False while the read
+        is in flight; a miss or a corrupt entry ends the job."""
+        if job.entry is None:
+            return True
+        if not job.entry.done():
+            return False
+        from sgl_vericache.mem_cache.compressed_tier import move_entry
+
+        layers, job.entry = job.entry.result(), None
+        w = self.worker
+        if layers is None:  # gone from the tier, or not that entry: nothing to draft from
+            self._passed.add(job.req.rid)
+            self.job = None
+            return False
+        layers = move_entry(layers, w.device)
+        w.prefix_cache.insert(job.req.origin_input_ids[: job.start], job.compressor, layers)
+        self._seed(job, layers)
+        return True
 
     def _run(self, job) -> None:
         import torch
@@ -916,6 +1040,8 @@ class _FetchDrafter:
         from sgl_vericache.spec.drafter import selects_per_step
 
         global _DRAFT_WEIGHTS, _DRAFTING
+        if not self._entry_arrived(job):
+            return
         w, fb = self.worker, job.fb
         t0 = time.perf_counter()
         done = job.step
@@ -957,6 +1083,12 @@ class _FetchDrafter:
     def _finish(self) -> None:
         job, self.job = self.job, None
         self.store.clear()
+        if job.entry is not None and job.entry.done() and job.entry.result() is not None:
+            from sgl_vericache.mem_cache.compressed_tier import move_entry
+
+            # read back too late to draft from, still worth keeping: the prefix is in use
+            self.worker.prefix_cache.insert(job.req.origin_input_ids[: job.start], job.compressor,
+                                            move_entry(job.entry.result(), self.worker.device))
         if job.drafts and not job.req.finished():
             self.queue.put(job.req.rid, job.drafts)
             self.worker.stats.add("fetch_draft_tokens", len(job.drafts))
@@ -1905,6 +2037,9 @@ def _install_internal_state() -> None:
         original(self, state)
         stats = getattr(getattr(self.scheduler, "draft_worker", None), "stats", None)
         if isinstance(stats, _Stats):
+            tier = getattr(self.scheduler.draft_worker, "tier", None)
+            if tier is not None:  # its threads count between iterations too
+                stats.tier(tier)
             state["vericache"] = {**stats.totals, **stats.gauges}
         # every engine, speculation on or off (see _install_keep_preempted_kv)
         state["vericache_preempted"] = {"requests": _PREEMPTED[0], "kept_tokens": _PREEMPTED[1]}
@@ -2222,10 +2357,23 @@ class _Stats:
         "compressed_prefix_hit_tokens": "Verified tokens whose compressed KV came from the prefix cache",
         "compressed_prefix_inserted": "Compressed entries filed in the prefix cache",
         "compressed_prefix_evicted": "Compressed entries evicted from the prefix cache (LRU, byte budget)",
+        "fetch_draft_tier_entries": "Waiting requests whose compressed entry was read back from the storage tier",
+        "compressed_tier_spilled_entries": "Compressed entries evicted from the prefix cache and written to the "
+                                           "storage tier",
+        "compressed_tier_spilled_bytes": "Bytes of those entries as stored (encoded, with their digest)",
+        "compressed_tier_spill_failures": "Compressed entries the storage tier refused or failed to write",
+        "compressed_tier_spills_dropped": "Evicted entries dropped, not written: too many bytes already waiting",
+        "compressed_tier_fetches": "Compressed entries read back from the storage tier",
+        "compressed_tier_fetched_bytes": "Bytes read back",
+        "compressed_tier_fetch_seconds": "Seconds those reads took (on the tier's reader thread)",
+        "compressed_tier_fetch_misses": "Reads the tier had no entry for (evicted there)",
+        "compressed_tier_fetch_corrupt": "Reads whose bytes failed the entry's digest (a miss)",
+        "compressed_tier_fetches_from_memory": "Reads answered before the entry's write had finished (no I/O)",
     }
     GAUGES = {
         "compressed_prefix_bytes": "Bytes of compressed KV held by the prefix cache",
         "compressed_prefix_entries": "Entries held by the prefix cache",
+        "compressed_prefix_spilled": "Entries the prefix cache knows to be in the storage tier (stubs)",
     }
 
     def __init__(self, enable_metrics: bool):
@@ -2263,6 +2411,11 @@ class _Stats:
         self._pending_draft = 0.0
         self.add("full_kv_load_seconds", _LOAD_SECONDS[0] - self.totals["full_kv_load_seconds"])
 
+    def tier(self, tier):
+        """Bring the ``compressed_tier_*`` counters up to the storage tier's own totals."""
+        for name, total in tier.snapshot().items():
+            self.add("compressed_tier_" + name, total - self.totals["compressed_tier_" + name])
+
     def prefix_cache(self, cache):
         """Bring the prefix-cache counters up to the cache's own totals."""
         for name, total in (("compressed_prefix_lookups", cache.lookups), ("compressed_prefix_hits", cache.hits),
@@ -2270,7 +2423,8 @@ class _Stats:
                             ("compressed_prefix_inserted", cache.inserted),
                             ("compressed_prefix_evicted", cache.evicted)):
             self.add(name, total - self.totals[name])
-        for name, value in (("compressed_prefix_bytes", cache.nbytes), ("compressed_prefix_entries", cache.num_entries)):
+        for name, value in (("compressed_prefix_bytes", cache.nbytes), ("compressed_prefix_entries", cache.num_entries),
+                            ("compressed_prefix_spilled", cache.num_spilled)):
             self.gauges[name] = value
             if name in self._prom:
                 self._prom[name].set(value)
