@@ -92,7 +92,9 @@ def test_a_stored_entry_is_refused_for_anything_but_its_own_prefix():
         decode_entry(b"VCE1", tokens, "kivi4@4")
     with pytest.raises(CorruptEntryError, match="shorter than an entry's header"):
         decode_entry(None, tokens, "kivi4@4")
-    assert storage_key(tokens, "a") != storage_key(tokens, "b") != storage_key(tokens[:-1], "b")
+    names = {storage_key(encode_entry(tokens, layers, k)) for k in ("a", "b")}
+    names.add(storage_key(encode_entry(tokens, _entry("kivi4", seed=1)[1], "a")))  # same prefix, other entry
+    assert len(names) == 3 and all(n.startswith("vericache-c-") for n in names)
 
 
 def test_an_entry_whose_tensors_are_not_fields_is_not_storable():
@@ -301,7 +303,7 @@ def test_random_sequences_with_a_tier_match_the_reference(ops, budget, max_spill
     def spill(tokens, key, layers):  # the tier's role, without threads: a stub carrying the entry
         from sgl_vericache.mem_cache.compressed_tier import SpilledEntry
 
-        stub = SpilledEntry(storage_key(tokens, repr(key)), len(tokens), repr(key), layers=tuple(layers))
+        stub = SpilledEntry(len(tokens), repr(key), layers=tuple(layers))
         stubs.append(stub)
         return stub
 

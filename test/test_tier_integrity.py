@@ -182,3 +182,40 @@ def test_backend_without_digest_support_is_refused(cpu_hicache):
 
     with pytest.raises(ValueError, match="not 'nixl'; pass --no-vericache-tier-checksums"):
         _checked("nixl", Nixl())
+
+
+def test_compressed_entries_in_a_real_mooncake_store(cpu_hicache, mooncake_master):
+    """VeriCache's compressed prefix entries written to Mooncake's store (beside SGLang's
+    pages, through the checked wrapper the engine runs) come back bit-identical; written
+    twice, still one entry; an object replaced by other bytes, or removed, is a miss."""
+    from sgl_vericache.mem_cache.compress import get_compressor
+    from sgl_vericache.mem_cache.compressed_tier import CompressedTier
+    from sgl_vericache.sglang_adapter import _blob_store
+
+    _, _, inner, store = _checked_mooncake(mooncake_master)
+    blobs = _blob_store(store)
+    assert type(blobs).__name__ == "_MooncakeBlobs"
+    torch.manual_seed(0)
+    comp = get_compressor("kivi4", 4.0)
+    layers = [comp.compress(torch.randn(40, 2, 8), torch.randn(40, 2, 8)) for _ in range(2)]
+    tokens = tuple(range(40))
+    tier = CompressedTier(blobs)
+    try:
+        stub = tier.spill(tokens, comp, layers)
+        again = tier.spill(tokens, comp, layers)  # the same entry evicted twice: same name
+        tier.drain()
+        assert not stub.failed and not again.failed and stub.storage_key == again.storage_key
+        assert inner.store.is_exist(stub.storage_key) == 1
+        got = tier.fetch(tokens, stub).result(10)
+        assert got is not None
+        for a, b in zip(layers, got):
+            assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))
+        assert inner.store.remove(stub.storage_key, force=True) == 0
+        assert inner.store.put(stub.storage_key, bytes(stub.nbytes)) == 0
+        assert tier.fetch(tokens, stub).result(10) is None
+        assert inner.store.remove(stub.storage_key, force=True) == 0
+        assert tier.fetch(tokens, stub).result(10) is None
+        c = tier.snapshot()
+        assert (c["spilled_entries"], c["fetches"], c["fetch_corrupt"], c["fetch_misses"]) == (2, 1, 1, 1), c
+    finally:
+        tier.close()

@@ -168,10 +168,11 @@ def move_entry(layers: Sequence[CompressedLayer], device) -> tuple[CompressedLay
     return tuple(moved(layer) for layer in layers)
 
 
-def storage_key(tokens: Sequence[int], key: str) -> str:
-    """Where an entry lives in the tier: a hash of the compressor key and the token ids."""
-    h = hashlib.blake2b(key.encode() + b"\0" + _tokens_bytes(tokens), digest_size=16)
-    return "vericache-c-" + h.hexdigest()
+def storage_key(data: bytes) -> str:
+    """Where an encoded entry lives in the tier: named by its digest (which covers the
+    compressor key, the token ids and the bytes), so two different entries for one prefix
+    (made along different paths) never share a name, and a name never needs rewriting."""
+    return "vericache-c-" + bytes(data[_PREFIX.size : _PREFIX.size + _DIGEST]).hex()
 
 
 # ---------------------------------------------------------------------- the tier
@@ -181,12 +182,12 @@ def storage_key(tokens: Sequence[int], key: str) -> str:
 class SpilledEntry:
     """The stub the compressed prefix cache keeps for an entry it sent to the tier."""
 
-    storage_key: str
     num_tokens: int
     key: str  # repr of the compressor key: part of the digest
     nbytes: int = 0  # encoded size, once written
     layers: Optional[tuple] = None  # the entry itself until its write finished (reads need no I/O)
     failed: bool = False  # the write did not happen: the stub holds nothing
+    storage_key: str = ""  # the stored entry's name, once written
 
 
 class CompressedTier:
@@ -229,13 +230,14 @@ class CompressedTier:
         if any(t.device.type != "cpu" for layer in layers for t in layer.tensors()):
             layers = move_entry(layers, "cpu")  # here, on the scheduler's stream, not on the writer thread
         name = repr(key)
-        stub = SpilledEntry(storage_key(tokens, name), len(tokens), name, layers=layers)
+        stub = SpilledEntry(len(tokens), name, layers=layers)
         self._writer.submit(self._write, stub, tokens, size)
         return stub
 
     def _write(self, stub: SpilledEntry, tokens: tuple, size: int) -> None:
         try:
             data = encode_entry(tokens, stub.layers, stub.key)
+            stub.storage_key = storage_key(data)
             ok = bool(self.store.put(stub.storage_key, data))
         except Exception as e:  # a store that raises is a store that failed this write
             logger.warning("VeriCache: writing a compressed entry to the storage tier failed: %s", e)
