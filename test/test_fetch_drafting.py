@@ -126,12 +126,14 @@ def reference(default_model_path):
         engine.shutdown()
 
 
-def _vericache_trace(model_path, store_dir, monkeypatch, compressed_cache_mb):
+def _vericache_trace(model_path, store_dir, monkeypatch, compressed_cache_mb, radix_cache_backend):
     """Engine B: VERICACHE, a 1024-token device pool, a host tier of 2048 tokens, the
-    throttled file store. Returns (turns, VeriCache's counters)."""
+    throttled file store, the given radix cache backend. Returns (turns, VeriCache's counters)."""
     from transformers import AutoTokenizer
 
     from sgl_vericache.config import VeriCacheConfig
+
+    backend = {} if radix_cache_backend is None else {"radix_cache_backend": radix_cache_backend}
 
     tok = AutoTokenizer.from_pretrained(model_path)
     monkeypatch.syspath_prepend(str(BENCH))  # the scheduler imports throttled_store from here
@@ -142,7 +144,7 @@ def _vericache_trace(model_path, store_dir, monkeypatch, compressed_cache_mb):
                     compressed_cache_mb=compressed_cache_mb).to_env()
     engine = _engine(model_path, speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
                      speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024,
-                     radix_cache_backend="vericache", enable_hierarchical_cache=True, hicache_ratio=2.0,
+                     **backend, enable_hierarchical_cache=True, hicache_ratio=2.0,
                      hicache_io_backend="kernel", hicache_mem_layout="page_first",
                      hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(store),
                      hicache_storage_prefetch_policy="wait_complete")
@@ -177,20 +179,23 @@ def test_drafts_while_the_prefix_streams_in_from_storage(default_model_path, ref
     streams in, and B drafts for it meanwhile from the compressed entry its first turn left
     in the prefix cache (512 MiB: every entry stays on the device). Its first rounds
     verify those drafts. B's token ids must equal A's."""
-    ours, stats = _vericache_trace(default_model_path, tmp_path / "kv", monkeypatch, compressed_cache_mb=512)
+    ours, stats = _vericache_trace(default_model_path, tmp_path / "kv", monkeypatch, compressed_cache_mb=512,
+                                   radix_cache_backend="vericache")
     fetch = _check(ours, reference, stats, capfd)
     assert fetch["fetch_draft_tier_entries"] == 0 and fetch["compressed_tier_spilled_entries"] == 0, fetch
 
 
 def test_drafts_from_a_compressed_entry_read_back_from_storage(default_model_path, reference, tmp_path,
                                                                monkeypatch, capfd):
-    """The same trace with a 1 MiB compressed prefix cache: every conversation's entry (about
-    8 MB for a 440-token kivi4 prefix, fp32 residual window included) is larger than the budget, so the cache writes it to the file
-    store SGLang's HiCache uses and keeps a stub. Agent 0's second turn reads its entry back
+    """The same trace on SGLang's own radix cache (no ``vericache`` backend) with a 1 MiB
+    compressed prefix cache: every conversation's entry (about 8 MB for a 440-token kivi4
+    prefix, fp32 residual window included) is larger than the budget, so the cache writes
+    it to the file store SGLang's HiCache uses and keeps a stub. Agent 0's second turn reads its entry back
     (through the same 10 MB/s throttle; several times smaller than the full KV, so it
     arrives first), drafts from it while the full prefix streams in, and the drafts verify.
     Token ids equal A's."""
-    ours, stats = _vericache_trace(default_model_path, tmp_path / "kv", monkeypatch, compressed_cache_mb=1)
+    ours, stats = _vericache_trace(default_model_path, tmp_path / "kv", monkeypatch, compressed_cache_mb=1,
+                                   radix_cache_backend=None)
     fetch = _check(ours, reference, stats, capfd)
     assert fetch["compressed_tier_spilled_entries"] >= CONVERSATIONS, fetch
     assert fetch["compressed_prefix_spilled"] >= CONVERSATIONS, fetch  # the conversations' entries are stubs

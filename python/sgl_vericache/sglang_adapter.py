@@ -701,7 +701,7 @@ def _attach_compressed_tier(worker):
     while a request's full prefix streams in from the same tier. None without one."""
     from sgl_vericache.mem_cache.compressed_tier import CompressedTier
 
-    tree = next(iter(_TREE_CACHES), None)
+    tree = next(iter(_TREE_CACHES), None) or next(iter(_STORAGE_TREES), None)
     backend = getattr(getattr(tree, "cache_controller", None), "storage_backend", None)
     blobs = _blob_store(backend) if backend is not None else None
     if blobs is None:
@@ -747,8 +747,8 @@ class _MooncakeBlobs:
     def __init__(self, store):
         self.store = store
 
-    def put(self, key, data):
-        return self.store.put(key, data) == 0
+    def put(self, key, data):  # keys name their content (a digest): one already there is this entry
+        return self.store.put(key, data) == 0 or self.store.is_exist(key) == 1
 
     def get(self, key, nbytes):
         data = self.store.get(key)
@@ -1113,6 +1113,8 @@ def _install_fetch_drafting() -> None:
     start = Scheduler._prefetch_kvcache
 
     def _prefetch_kvcache(self, req, *args, **kwargs):
+        if getattr(getattr(self.tree_cache, "cache_controller", None), "storage_backend", None) is not None:
+            _STORAGE_TREES.add(self.tree_cache)  # SGLang's own tree too, not only backend `vericache`
         result = start(self, req, *args, **kwargs)
         if req.cache_request_handle in getattr(self.tree_cache, "ongoing_prefetch", {}):
             _PREFETCHING[req.rid] = req
@@ -1568,6 +1570,7 @@ def _install_keep_preempted_kv() -> None:
 
 _PARKING = [None]  # this scheduler process's FullKVParking (one VeriCache worker per process)
 _TREE_CACHES = weakref.WeakSet()  # `vericache` radix caches of this process
+_STORAGE_TREES = weakref.WeakSet()  # radix caches with a HiCache storage tier, seen by the scheduler
 
 
 def _build_parking(model_runner):
