@@ -12,7 +12,9 @@ agents, and a remote tier: SGLang's ``file`` backend read at ``store_mb_per_s``
 - ``off``: speculation off (SGLang + HiCache);
 - ``vericache``: VERICACHE with ``--vericache-fetch-draft-tokens 0`` (a request waits for
   its prefix idle, as SGLang makes every request wait);
-- ``fetch_draft``: VERICACHE drafting while the prefix streams in (the default, 64).
+- ``fetch_draft``: VERICACHE drafting while the prefix streams in (the default, 64). With
+  ``--compressed-cache-mb 1`` its compressed prefix cache holds no conversation's entry: each
+  goes to the same store and is read back (through the same throttle) before drafting starts.
 
 The trace: ``agents`` agents share a system prompt; each first turn carries a tool result of
 about ``tool_tokens`` (different per agent); after all first turns, each agent's second turn
@@ -52,7 +54,9 @@ from bench_tiers import TIERS, kv_bytes_per_token, system_prompt  # noqa: E402
 
 ARMS = ("off", "vericache", "fetch_draft")
 FETCH_COUNTERS = ("fetch_draft_requests", "fetch_draft_steps", "fetch_draft_seconds", "fetch_draft_tokens",
-                  "fetch_draft_rounds", "fetch_draft_accepted", "rounds", "emitted_tokens")
+                  "fetch_draft_rounds", "fetch_draft_accepted", "rounds", "emitted_tokens",
+                  "fetch_draft_tier_entries", "compressed_tier_spilled_entries", "compressed_tier_fetches",
+                  "compressed_tier_fetched_bytes", "compressed_tier_fetch_seconds")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ class RemoteConfig:
     compressor: str = "kivi4"
     draft_len: int = 8
     fetch_draft_tokens: int = 64
+    # the fetch_draft arm's compressed prefix cache (MiB); 1: every entry goes to the store and is read back
+    compressed_cache_mb: int = 512
     out: str = "benchmark/results/remote_prefix.json"
 
 
@@ -93,9 +99,9 @@ def start_engines(model_path: str, cfg: RemoteConfig, storage_root: Path):
     spec = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=cfg.draft_len + 1,
                 speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
     engines = {"off": DecodeEngine(model_path, env, **flags("off"))}
-    for arm, fetch in (("vericache", 0), ("fetch_draft", cfg.fetch_draft_tokens)):
+    for arm, fetch, mb in (("vericache", 0, 512), ("fetch_draft", cfg.fetch_draft_tokens, cfg.compressed_cache_mb)):
         VeriCacheConfig(compressor=cfg.compressor, ratio=4.0, draft_len=cfg.draft_len,
-                        fetch_draft_tokens=fetch).to_env()
+                        fetch_draft_tokens=fetch, compressed_cache_mb=mb).to_env()
         engines[arm] = DecodeEngine(model_path, env, **flags(arm), **spec)
     common = {k: v for k, v in flags("off").items() if k != "hicache_storage_backend_extra_config"}
     return engines, common
