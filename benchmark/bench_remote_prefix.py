@@ -71,7 +71,8 @@ class RemoteConfig:
     compressor: str = "kivi4"
     draft_len: int = 8
     fetch_draft_tokens: int = 64
-    # the fetch_draft arm's compressed prefix cache (MiB); 1: every entry goes to the store and is read back
+    # the fetch_draft arm's compressed prefix cache (MiB; VeriCache's default is 512); 1: every entry
+    # goes to the store and is read back
     compressed_cache_mb: int = 512
     out: str = "benchmark/results/remote_prefix.json"
 
@@ -99,7 +100,9 @@ def start_engines(model_path: str, cfg: RemoteConfig, storage_root: Path):
     spec = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=cfg.draft_len + 1,
                 speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
     engines = {"off": DecodeEngine(model_path, env, **flags("off"))}
-    for arm, fetch, mb in (("vericache", 0, 512), ("fetch_draft", cfg.fetch_draft_tokens, cfg.compressed_cache_mb)):
+    default_mb = VeriCacheConfig().compressed_cache_mb  # the vericache arm keeps the product's default
+    for arm, fetch, mb in (("vericache", 0, default_mb), ("fetch_draft", cfg.fetch_draft_tokens,
+                                                           cfg.compressed_cache_mb)):
         VeriCacheConfig(compressor=cfg.compressor, ratio=4.0, draft_len=cfg.draft_len,
                         fetch_draft_tokens=fetch, compressed_cache_mb=mb).to_env()
         engines[arm] = DecodeEngine(model_path, env, **flags(arm), **spec)
