@@ -23,10 +23,12 @@ from sgl_vericache.mem_cache.compressed_tier import (
     CompressedTier,
     CorruptEntryError,
     DictBlobStore,
+    Throughput,
     decode_entry,
     encode_entry,
     move_entry,
     storage_key,
+    worth_reading,
 )
 
 
@@ -168,6 +170,54 @@ def test_tier_spill_then_fetch_from_memory_then_from_the_store():
     assert tier.fetch(tokens, stub).result(5) is None
     c = tier.snapshot()
     assert (c["fetch_misses"], c["fetch_corrupt"], c["fetches"]) == (2, 1, 1)
+    tier.close()
+
+
+def test_throughput_weights_recent_transfers_and_ignores_empty_ones():
+    speed = Throughput(weight=0.5)
+    assert speed.seconds_for(100) is None
+    speed.observe(0, 1.0)
+    speed.observe(100, 0.0)
+    assert speed.bytes_per_second is None and speed.transfers == 0
+    speed.observe(1000, 1.0)
+    assert speed.bytes_per_second == 1000 and speed.seconds_for(500) == 0.5
+    speed.observe(3000, 1.0)
+    assert speed.bytes_per_second == 2000 and speed.transfers == 2
+    with pytest.raises(ValueError, match="weight 0"):
+        Throughput(weight=0)
+
+
+def test_worth_reading_compares_the_two_arrivals():
+    unknown = Throughput()
+
+    def measured(bps):
+        t = Throughput()
+        t.observe(int(bps), 1.0)
+        return t
+
+    # nothing measured: the sizes decide
+    assert worth_reading(20, 100, unknown, unknown, 0.25)
+    assert not worth_reading(30, 100, unknown, unknown, 0.25)
+    # the tier's reads measured slower than its pages: an entry a fifth the size arrives at 0.4
+    assert not worth_reading(20, 100, measured(50), measured(100), 0.25)
+    assert worth_reading(20, 100, measured(50), measured(100), 0.5)
+    # only one speed known: the other transfer is taken to go as fast (one store)
+    assert worth_reading(20, 100, measured(50), unknown, 0.25) and not worth_reading(30, 100, unknown, measured(9), 0.25)
+    # 1 always, 0 never; nothing to stream in leaves no time to draft in
+    assert worth_reading(10**9, 1, measured(1), measured(10**9), 1.0)
+    assert not worth_reading(0, 100, unknown, unknown, 0.0)
+    assert not worth_reading(10, 0, unknown, unknown, 0.5) and worth_reading(0, 100, unknown, unknown, 0.1)
+
+
+def test_tier_reads_teach_it_their_speed():
+    tier = CompressedTier(DictBlobStore())
+    comp, layers = _entry("kivi4")
+    tokens = tuple(range(48))
+    stub = tier.spill(tokens, comp, layers)
+    tier.drain()
+    assert tier.read_speed.bytes_per_second is None  # a write says nothing about reads
+    assert tier.fetch(tokens, stub).result(5) is not None
+    assert tier.read_speed.transfers == 1 and tier.read_speed.bytes_per_second > 0
     tier.close()
 
 

@@ -50,6 +50,45 @@ def test_draft_queue_keeps_the_newest_requests():
         DraftQueue(capacity=0)
 
 
+def test_fetch_drafter_reads_a_tier_entry_only_when_it_lands_early():
+    """The adapter's wiring of ``worth_reading``: the full KV's bytes per token come from the
+    worker's pool, SGLang's prefetches teach it their speed, the tier's reads theirs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sgl_vericache.config import VeriCacheConfig
+    from sgl_vericache.mem_cache.compress import get_compressor
+    from sgl_vericache.mem_cache.compressed_tier import SpilledEntry, Throughput
+    from sgl_vericache.sglang_adapter import _FetchDrafter
+
+    bufs = [torch.zeros(16, 3, 64) for _ in range(2)]  # 2 layers, 3 KV heads of 64, fp32
+    tier = SimpleNamespace(read_speed=Throughput())
+    worker = SimpleNamespace(store=SimpleNamespace(compressor=get_compressor("kivi4"), num_layers=2), tier=tier,
+                             model_runner=SimpleNamespace(token_to_kv_pool=SimpleNamespace(k_buffer=bufs,
+                                                                                           v_buffer=bufs)),
+                             vc=VeriCacheConfig())
+    drafter = _FetchDrafter(worker)
+    per_token = 2 * 2 * 3 * 64 * 4
+    assert drafter.bytes_per_token() == per_token
+    full = 100 * per_token  # the storage holds 100 tokens of the prefix
+    assert worker.vc.fetch_draft_tier_fraction == 0.25
+    assert drafter._worth_reading(SpilledEntry(40, "k", nbytes=full // 5), 100)
+    assert not drafter._worth_reading(SpilledEntry(40, "k", nbytes=full // 3), 100)
+    # a stub whose write is in flight holds its entry: reading it costs no I/O
+    assert drafter._worth_reading(SpilledEntry(40, "k", nbytes=full, layers=()), 100)
+    # prefetches measured fast, tier reads slow: a fifth of the bytes no longer lands in time
+    drafter.observe_fetch(100, 0.1)
+    tier.read_speed.observe(per_token, 0.01)  # a tenth of the prefetch's speed
+    assert drafter.full_speed.bytes_per_second == pytest.approx(per_token * 1000)
+    assert not drafter._worth_reading(SpilledEntry(40, "k", nbytes=full // 5), 100)
+    assert drafter._worth_reading(SpilledEntry(40, "k", nbytes=full // 50), 100)
+    worker.vc = VeriCacheConfig(fetch_draft_tier_fraction=1.0)
+    assert drafter._worth_reading(SpilledEntry(40, "k", nbytes=full * 10), 100)
+    with pytest.raises(ValueError, match="fetch-draft-tier-fraction 1.5 is out of range"):
+        VeriCacheConfig(fetch_draft_tier_fraction=1.5)
+
+
 def test_throttled_store_reads_at_its_bandwidth(tmp_path):
     import torch
 
@@ -126,7 +165,8 @@ def reference(default_model_path):
         engine.shutdown()
 
 
-def _vericache_trace(model_path, store_dir, monkeypatch, compressed_cache_mb, radix_cache_backend):
+def _vericache_trace(model_path, store_dir, monkeypatch, compressed_cache_mb, radix_cache_backend,
+                     tier_fraction=None):
     """Engine B: VERICACHE, a 1024-token device pool, a host tier of 2048 tokens, the
     throttled file store, the given radix cache backend. Returns (turns, VeriCache's counters)."""
     from transformers import AutoTokenizer
@@ -140,8 +180,9 @@ def _vericache_trace(model_path, store_dir, monkeypatch, compressed_cache_mb, ra
     monkeypatch.setenv("VERICACHE_CHECK_INTEGRITY", "1")
     store = {"backend_name": "throttled_file", "module_path": "throttled_store", "class_name": "ThrottledFile",
              "file_storage_path": str(store_dir), "throttle_mb_per_s": 10}
+    extra = {} if tier_fraction is None else {"fetch_draft_tier_fraction": tier_fraction}
     VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8, fetch_draft_tokens=32,
-                    compressed_cache_mb=compressed_cache_mb).to_env()
+                    compressed_cache_mb=compressed_cache_mb, **extra).to_env()
     engine = _engine(model_path, speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
                      speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=1024,
                      **backend, enable_hierarchical_cache=True, hicache_ratio=2.0,
@@ -193,13 +234,15 @@ def test_drafts_from_a_compressed_entry_read_back_from_storage(default_model_pat
     it to the file store SGLang's HiCache uses and keeps a stub. Agent 0's second turn reads its entry back
     (through the same 10 MB/s throttle; several times smaller than the full KV, so it
     arrives first), drafts from it while the full prefix streams in, and the drafts verify.
-    Token ids equal A's."""
+    Token ids equal A's. The entry (~0.4 of the full KV here) arrives too late for the
+    default --vericache-fetch-draft-tier-fraction, so the test reads it always (1.0): it
+    tests the read path, not the rule (``test_compressed_tier`` does)."""
     ours, stats = _vericache_trace(default_model_path, tmp_path / "kv", monkeypatch, compressed_cache_mb=1,
-                                   radix_cache_backend=None)
+                                   radix_cache_backend=None, tier_fraction=1.0)
     fetch = _check(ours, reference, stats, capfd)
     assert fetch["compressed_tier_spilled_entries"] >= CONVERSATIONS, fetch
     assert fetch["compressed_prefix_spilled"] >= CONVERSATIONS, fetch  # the conversations' entries are stubs
-    assert fetch["fetch_draft_tier_entries"] >= 1, fetch
+    assert fetch["fetch_draft_tier_entries"] >= 1 and fetch["fetch_draft_tier_skipped"] == 0, fetch
     assert fetch["compressed_tier_fetches"] + fetch["compressed_tier_fetches_from_memory"] >= 1, fetch
     assert fetch["compressed_tier_fetch_corrupt"] == 0 and fetch["compressed_tier_spill_failures"] == 0, fetch
     assert list((tmp_path / "kv").glob("vericache-c-*")), "no compressed entry file in the store"

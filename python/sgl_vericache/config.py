@@ -75,6 +75,13 @@ class VeriCacheConfig:
         "its prompt, and its first rounds verify those drafts once admitted, so the fetch hides drafting. "
         "Output is unchanged (verify decides every token). 0 = off.", min=0, max=4096,
     )
+    fetch_draft_tier_fraction: float = _opt(
+        0.25, "With a storage tier behind the compressed prefix cache, fetch drafting reads a prefix's "
+        "compressed entry back from the tier only when it is expected to arrive within this fraction of the "
+        "time the prefix's full KV takes to stream in (both estimated from their sizes and each transfer's "
+        "measured speed), leaving the rest of the fetch to draft in; a later entry costs more than its drafts "
+        "save. 1 = always read, 0 = never.", min=0.0, max=1.0,
+    )
     compressor_options: str = _opt(
         "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
     )

@@ -934,6 +934,37 @@ class _FetchDrafter:
         self.queue = DraftQueue()
         self.job = None
         self._passed = set()  # rids polled and found unable to draft (no prefix entry, sampled, ...)
+        from sgl_vericache.mem_cache.compressed_tier import Throughput
+
+        self.full_speed = Throughput()  # of SGLang's storage prefetches: when a tier entry is worth reading
+        self._bytes_per_token = None
+
+    def observe_fetch(self, tokens: int, seconds: float) -> None:
+        """SGLang's prefetch of ``tokens`` of full KV from the storage tier took ``seconds``."""
+        self.full_speed.observe(tokens * self.bytes_per_token(), seconds)
+
+    def bytes_per_token(self) -> int:
+        """Bytes of full KV per token on this worker (every layer's keys and values); 0 if its
+        pool has no per-layer buffers to measure."""
+        if self._bytes_per_token is None:
+            pool = self.worker.model_runner.token_to_kv_pool
+            bufs = list(getattr(pool, "k_buffer", ()) or ()) + list(getattr(pool, "v_buffer", ()) or ())
+            self._bytes_per_token = sum(b[0].numel() * b.element_size() for b in bufs if b.dim() > 0 and len(b))
+        return self._bytes_per_token
+
+    def _worth_reading(self, stub, hit_tokens: int) -> bool:
+        """Whether reading ``stub``'s entry back from the tier leaves time to draft before the
+        ``hit_tokens`` of full KV the storage holds for the prefix have streamed in."""
+        from sgl_vericache.mem_cache.compressed_tier import worth_reading
+
+        w = self.worker
+        if stub.layers is not None:  # its write is still in flight: read from memory, no I/O
+            return True
+        per_token = self.bytes_per_token()
+        if not per_token:  # cannot estimate: read, as without the rule
+            return True
+        return worth_reading(stub.nbytes, hit_tokens * per_token, w.tier.read_speed, self.full_speed,
+                             w.vc.fetch_draft_tier_fraction)
 
     def poll(self, req, fetched: bool, hit_tokens: int) -> None:
         """The scheduler looked at waiting ``req``; ``fetched``: its prefetch is done;
@@ -953,7 +984,7 @@ class _FetchDrafter:
         if job is None:
             if req.rid in self._passed or hit_tokens <= 0:
                 return
-            job = self.job = self._start(req)
+            job = self.job = self._start(req, hit_tokens)
             if job is None:
                 self._passed.add(req.rid)
                 if len(self._passed) > 4096:
@@ -962,7 +993,7 @@ class _FetchDrafter:
         job.polled = time.monotonic()
         self._run(job)
 
-    def _start(self, req):
+    def _start(self, req, hit_tokens: int):
         import torch
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
@@ -981,7 +1012,10 @@ class _FetchDrafter:
         if w.tier is not None:
             spilled_n, stub = w.prefix_cache.match_spilled(tokens[:-1], compressor)
             if spilled_n > n and len(tokens) - spilled_n <= self.MAX_FORCED:
-                n, layers = spilled_n, None
+                if self._worth_reading(stub, hit_tokens):
+                    n, layers = spilled_n, None
+                else:
+                    w.stats.add("fetch_draft_tier_skipped", 1)
         if not n or len(tokens) - n > self.MAX_FORCED:
             return None
         # drafts for output positions 0 .. wanted-1 (position 0 is checked against the
@@ -1124,12 +1158,17 @@ def _install_fetch_drafting() -> None:
 
     def check_prefetch_progress(self, request):
         ongoing = getattr(self, "ongoing_prefetch", {}).get(request)
-        hits = getattr(getattr(ongoing, "operation", None), "storage_hit_count", 0) if ongoing else 0
+        operation = getattr(ongoing, "operation", None) if ongoing else None
+        hits = getattr(operation, "storage_hit_count", 0)
         fetched = check(self, request)
         req = _PREFETCHING.pop(request.rid, None) if fetched else _PREFETCHING.get(request.rid)
         if req is not None:
+            loaded = getattr(operation, "completed_tokens", 0) if fetched else 0
+            started = getattr(operation, "start_time", None)
             for worker in list(_LIVE_WORKERS):
                 if worker.fetch_drafter is not None:
+                    if loaded and started is not None:  # the prefetch's speed: when a tier entry is worth reading
+                        worker.fetch_drafter.observe_fetch(loaded, time.monotonic() - started)
                     worker.fetch_drafter.poll(req, fetched, hits)
         return fetched
 
@@ -2361,6 +2400,8 @@ class _Stats:
         "compressed_prefix_inserted": "Compressed entries filed in the prefix cache",
         "compressed_prefix_evicted": "Compressed entries evicted from the prefix cache (LRU, byte budget)",
         "fetch_draft_tier_entries": "Waiting requests whose compressed entry was read back from the storage tier",
+        "fetch_draft_tier_skipped": "Waiting requests whose compressed entry was in the storage tier but not read: "
+                                    "expected to arrive too late to draft from (--vericache-fetch-draft-tier-fraction)",
         "compressed_tier_spilled_entries": "Compressed entries evicted from the prefix cache and written to the "
                                            "storage tier",
         "compressed_tier_spilled_bytes": "Bytes of those entries as stored (encoded, with their digest)",

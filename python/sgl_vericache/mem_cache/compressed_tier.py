@@ -15,6 +15,10 @@ tensor's dtype, shape and byte range), the tensors' raw bytes, and a BLAKE2b dig
 the entry's compressor key, its token ids, the header and the bytes. No pickle: a stored entry is data, never
 code. A read whose digest does not match (corrupt bytes, a short read, another prefix's
 entry under a colliding key) is a miss, counted, never an entry.
+
+Reading an entry back is worth it only when it lands well before the full prefix: the
+drafts are made in the time left between the two. ``worth_reading`` estimates both
+arrivals from their sizes and each transfer's measured speed (``Throughput``).
 """
 
 from __future__ import annotations
@@ -175,6 +179,50 @@ def storage_key(data: bytes) -> str:
     return "vericache-c-" + bytes(data[_PREFIX.size : _PREFIX.size + _DIGEST]).hex()
 
 
+# ---------------------------------------------------------------------- when to read
+
+class Throughput:
+    """How fast one kind of transfer has been going (bytes per second, an exponentially
+    weighted mean over the transfers seen: the recent ones count most), to estimate how
+    long the next one takes. Unknown (None) until a transfer was seen."""
+
+    def __init__(self, weight: float = 0.3):
+        if not 0 < weight <= 1:
+            raise ValueError(f"weight {weight!r} must be in (0, 1]")
+        self.weight = weight
+        self.bytes_per_second: Optional[float] = None
+        self.transfers = 0
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or not seconds > 0:  # nothing moved, or a clock that did not move: no information
+            return
+        speed = nbytes / seconds
+        old = self.bytes_per_second
+        self.bytes_per_second = speed if old is None else (1 - self.weight) * old + self.weight * speed
+        self.transfers += 1
+
+    def seconds_for(self, nbytes: int) -> Optional[float]:
+        return None if self.bytes_per_second is None else nbytes / self.bytes_per_second
+
+
+def worth_reading(entry_bytes: int, full_bytes: int, entry_speed: Throughput, full_speed: Throughput,
+                  fraction: float) -> bool:
+    """Whether a compressed entry of ``entry_bytes`` read from the tier is expected to arrive
+    within ``fraction`` of the time the prefix's ``full_bytes`` of full KV take to stream in
+    (so that most of that time is left to draft in). Each arrival is estimated from its own
+    measured speed; a speed not measured yet is taken to be the other's (both come from one
+    store), and with neither the sizes are compared. ``fraction`` 1 reads always, 0 never."""
+    if fraction >= 1:
+        return True
+    if fraction <= 0 or full_bytes <= 0:  # never, or nothing streams in: no time to draft in
+        return False
+    if entry_bytes <= 0:
+        return True
+    e_bps, f_bps = entry_speed.bytes_per_second, full_speed.bytes_per_second
+    e_bps, f_bps = e_bps or f_bps or 1.0, f_bps or e_bps or 1.0
+    return entry_bytes / e_bps <= fraction * (full_bytes / f_bps)
+
+
 # ---------------------------------------------------------------------- the tier
 
 
@@ -205,6 +253,7 @@ class CompressedTier:
         self.counters = dict.fromkeys(
             ("spilled_entries", "spilled_bytes", "spill_failures", "spills_dropped", "fetches", "fetched_bytes",
              "fetch_seconds", "fetch_misses", "fetch_corrupt", "fetches_from_memory"), 0)
+        self.read_speed = Throughput()  # of reads (store get + decode), for ``worth_reading``
 
     def _count(self, name: str, n=1) -> None:
         with self._lock:
@@ -284,10 +333,12 @@ class CompressedTier:
                            "treated as a miss", e)
             self._count("fetch_corrupt")
             return None
+        seconds = time.perf_counter() - t0
         with self._lock:
             self.counters["fetches"] += 1
             self.counters["fetched_bytes"] += len(data)
-            self.counters["fetch_seconds"] += time.perf_counter() - t0
+            self.counters["fetch_seconds"] += seconds
+            self.read_speed.observe(len(data), seconds)
         return layers
 
     def drain(self, timeout: float = 30.0) -> None:
