@@ -14,7 +14,9 @@ agents, and a remote tier: SGLang's ``file`` backend read at ``store_mb_per_s``
   its prefix idle, as SGLang makes every request wait);
 - ``fetch_draft``: VERICACHE drafting while the prefix streams in (the default, 64). With
   ``--compressed-cache-mb 1`` its compressed prefix cache holds no conversation's entry: each
-  goes to the same store and is read back (through the same throttle) before drafting starts.
+  goes to the same store, and is read back (through the same throttle) before drafting starts
+  when it is expected to land within ``--tier-fraction`` of the full prefix's fetch
+  (``--vericache-fetch-draft-tier-fraction``; 1: always).
 
 The trace: ``agents`` agents share a system prompt; each first turn carries a tool result of
 about ``tool_tokens`` (different per agent); after all first turns, each agent's second turn
@@ -55,7 +57,8 @@ from bench_tiers import TIERS, kv_bytes_per_token, system_prompt  # noqa: E402
 ARMS = ("off", "vericache", "fetch_draft")
 FETCH_COUNTERS = ("fetch_draft_requests", "fetch_draft_steps", "fetch_draft_seconds", "fetch_draft_tokens",
                   "fetch_draft_rounds", "fetch_draft_accepted", "rounds", "emitted_tokens",
-                  "fetch_draft_tier_entries", "compressed_tier_spilled_entries", "compressed_tier_fetches",
+                  "fetch_draft_tier_entries", "fetch_draft_tier_skipped", "compressed_tier_spilled_entries",
+                  "compressed_tier_fetches",
                   "compressed_tier_fetched_bytes", "compressed_tier_fetch_seconds")
 
 
@@ -69,11 +72,14 @@ class RemoteConfig:
     host_ratio: float = 2.0
     store_mb_per_s: float = 20.0
     compressor: str = "kivi4"
+    compressor_options: str = ""  # e.g. residual_length=32 (--vericache-compressor-options)
     draft_len: int = 8
     fetch_draft_tokens: int = 64
     # the fetch_draft arm's compressed prefix cache (MiB; VeriCache's default is 512); 1: every entry
     # goes to the store and is read back
     compressed_cache_mb: int = 512
+    # the fetch_draft arm's --vericache-fetch-draft-tier-fraction (-1: VeriCache's default)
+    tier_fraction: float = dataclasses.field(default=-1.0, metadata={"min": -1.0})
     out: str = "benchmark/results/remote_prefix.json"
 
 
@@ -82,6 +88,27 @@ PRESETS = {
                           out="benchmark/results/remote_prefix_quick.json"),
     "default": RemoteConfig("default"),
 }
+
+
+def vericache_options(cfg: RemoteConfig) -> dict:
+    """The VeriCacheConfig fields both VERICACHE arms share."""
+    return dict(compressor=cfg.compressor, ratio=4.0, draft_len=cfg.draft_len,
+                compressor_options=cfg.compressor_options)
+
+
+def check_config(parser, cfg: RemoteConfig) -> None:
+    """``preset_args``' check: what VeriCacheConfig itself would refuse, refused at the
+    command line (a bad compressor, its options, the tier fraction)."""
+    from sgl_vericache.config import VeriCacheConfig
+
+    check_compressor(parser, cfg)
+    if cfg.tier_fraction > 1:
+        parser.error(f"--tier-fraction {cfg.tier_fraction} is out of range; accepted: 0 to 1, or -1 for "
+                     "VeriCache's default")
+    try:
+        VeriCacheConfig(**vericache_options(cfg)).build_compressor()
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def start_engines(model_path: str, cfg: RemoteConfig, storage_root: Path):
@@ -103,8 +130,9 @@ def start_engines(model_path: str, cfg: RemoteConfig, storage_root: Path):
     default_mb = VeriCacheConfig().compressed_cache_mb  # the vericache arm keeps the product's default
     for arm, fetch, mb in (("vericache", 0, default_mb), ("fetch_draft", cfg.fetch_draft_tokens,
                                                            cfg.compressed_cache_mb)):
-        VeriCacheConfig(compressor=cfg.compressor, ratio=4.0, draft_len=cfg.draft_len,
-                        fetch_draft_tokens=fetch, compressed_cache_mb=mb).to_env()
+        VeriCacheConfig(**vericache_options(cfg), fetch_draft_tokens=fetch, compressed_cache_mb=mb,
+                        **({"fetch_draft_tier_fraction": cfg.tier_fraction} if fetch and cfg.tier_fraction >= 0
+                           else {})).to_env()
         engines[arm] = DecodeEngine(model_path, env, **flags(arm), **spec)
     common = {k: v for k, v in flags("off").items() if k != "hicache_storage_backend_extra_config"}
     return engines, common
@@ -245,7 +273,7 @@ def summary(result: dict) -> str:
 
 def parse_args():
     return preset_args(__doc__, RemoteConfig, PRESETS, "4 agents, ~530-token prefixes, 16 tokens, 768-token device pool",
-                       "benchmark/results/remote_prefix.json", check_compressor)
+                       "benchmark/results/remote_prefix.json", check_config)
 
 
 def main() -> None:
