@@ -20,12 +20,17 @@ from sgl_vericache.mem_cache.compress import get_compressor
 from sgl_vericache.mem_cache.compress.registry import available_compressors
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
 from sgl_vericache.mem_cache.compressed_tier import (
+    INDEX_RECORD_BYTES,
     CompressedTier,
     CorruptEntryError,
     DictBlobStore,
     Throughput,
     decode_entry,
+    decode_index_record,
     encode_entry,
+    encode_index_record,
+    index_anchors,
+    index_key,
     move_entry,
     storage_key,
     worth_reading,
@@ -219,6 +224,93 @@ def test_tier_reads_teach_it_their_speed():
     assert tier.fetch(tokens, stub).result(5) is not None
     assert tier.read_speed.transfers == 1 and tier.read_speed.bytes_per_second > 0
     tier.close()
+
+
+def _spilled(store, comp, entries):
+    """A tier (an earlier process) writes ``entries`` ({tokens: layers}) to ``store`` and ends."""
+    tier = CompressedTier(store)
+    for tokens, layers in entries.items():
+        tier.spill(tokens, comp, layers)
+    tier.drain()
+    counters = tier.snapshot()
+    tier.close()
+    return counters
+
+
+def test_index_finds_entries_a_tier_of_another_process_wrote():
+    """A fresh tier over the same store (a restarted engine) finds the longest entry whose
+    tokens start the request's, through the index records; bit-identical layers."""
+    store = DictBlobStore()
+    comp, short = _entry("kivi4", tokens=100)
+    _, long = _entry("kivi4", tokens=200, seed=1)
+    _, tiny = _entry("kivi4", tokens=40, seed=2)
+    conv = tuple(range(1000, 1300))
+    written = _spilled(store, comp, {conv[:100]: short, conv[:200]: long, conv[:40]: tiny})
+    assert written["spilled_entries"] == 3 and written["index_records"] == 2  # under 64 tokens: no record
+    tier = CompressedTier(store)
+    n, got = tier.find(conv[:260], comp).result(5)  # the next turn: 60 tokens more
+    assert n == 200 and all(_same(a, b) for a, b in zip(long, got))
+    # only entries longer than what the caller has; the shorter one when that is all there is
+    assert tier.find(conv[:260], comp, longer_than=200).result(5) is None
+    n, got = tier.find(conv[:150], comp).result(5)
+    assert n == 100 and all(_same(a, b) for a, b in zip(short, got))
+    # another compressor: nothing; the long entry's first 192 tokens and others after them: the
+    # long entry is not read (its record's token digest differs), the short one is
+    assert tier.find(conv[:260], get_compressor("kivi2", 4.0)).result(5) is None
+    assert tier.snapshot()["fetches"] == 2
+    n, _ = tier.find(conv[:192] + tuple(range(5000, 5060)), comp).result(5)
+    c = tier.snapshot()
+    assert n == 100 and c["fetches"] == 3 and c["index_hits"] == 3 and c["index_lookups"] == 5
+    # the long entry gone from the store (its own eviction): the short one is found instead
+    del store.blobs[decode_index_record(store.blobs[index_key(repr(comp), conv[:192])])[2]]
+    n, _ = tier.find(conv[:260], comp).result(5)
+    assert n == 100 and tier.snapshot()["fetch_misses"] == 1
+    tier.close()
+
+
+def test_index_lookup_asks_before_reading_and_survives_bad_records():
+    store = _Gate()
+    store.open.set()
+    comp, layers = _entry("kivi4", tokens=130)
+    conv = tuple(range(130))
+    _spilled(store, comp, {conv: layers})
+    tier = CompressedTier(store)
+    asked = []
+    assert tier.find(conv, comp, accept=lambda n, nbytes: asked.append((n, nbytes)) or False).result(5) is None
+    entry_bytes = next(len(v) for k, v in store.blobs.items() if k.startswith("vericache-c-"))
+    assert asked == [(130, entry_bytes)] and tier.snapshot()["fetches"] == 0 and tier.snapshot()["index_skipped"] == 1
+    # a damaged record, a damaged entry, a store that fails: misses, never an exception
+    name = index_key(repr(comp), conv[:128])
+    record = store.blobs[name]
+    store.blobs[name] = b"}" + record[1:]
+    assert tier.find(conv, comp).result(5) is None
+    store.blobs[name] = record
+    key = next(k for k in store.blobs if k.startswith("vericache-c-"))
+    good = store.blobs[key]
+    store.blobs[key] = good[:-1] + bytes([good[-1] ^ 1])
+    assert tier.find(conv, comp).result(5) is None and tier.snapshot()["fetch_corrupt"] == 1
+    store.blobs[key] = good
+    store.fail_gets = True
+    assert tier.find(conv, comp).result(5) is None
+    store.fail_gets = False
+    assert tier.find(conv, comp).result(5)[0] == 130
+    tier.close()
+
+
+def test_index_records_and_anchors():
+    tokens = tuple(range(70))
+    record = encode_index_record(tokens, "vericache-c-" + "ab" * 16, 5000)
+    assert len(record) == INDEX_RECORD_BYTES
+    n, digest, key, nbytes = decode_index_record(record)
+    assert (n, key, nbytes) == (70, "vericache-c-" + "ab" * 16, 5000) and len(digest) == 32
+    for bad in (None, b"", record[:-1], b"x" * INDEX_RECORD_BYTES, record.replace(b'"n":70', b'"n":true'),
+                record.replace(b"vericache-c-", b"elsewhere-c-"), record.replace(b'"n":70', b'"n":12')):
+        assert decode_index_record(bad) is None, bad
+    assert index_key("k", tokens[:64]) != index_key("k2", tokens[:64]) != index_key("k", tokens[1:65])
+    # longest first, at most 9, none below 64 tokens, none that can only hold entries no longer than asked
+    assert index_anchors(700) == [640, 576, 512, 448, 384, 320, 256, 192, 128]
+    assert index_anchors(300, longer_than=200) == [256, 192] and index_anchors(63) == []
+    assert index_anchors(130, longer_than=130) == [128] and index_anchors(130, longer_than=192) == []
 
 
 def test_tier_failing_store_and_pending_cap():
@@ -429,4 +521,13 @@ def test_blob_stores_over_sglang_file_backends(tmp_path):
         tier.close()
     inner = backend._backend
     assert inner.bytes_read >= stub.nbytes  # the read went through the throttle
+    # an entry of 70 tokens has an index record: another tier on the same files finds it
+    _, longer = _entry("kivi2", tokens=70)
+    blobs = _blob_store(HiCacheFile(config))
+    _spilled(blobs, comp, {tuple(range(70)): longer})
+    tier = CompressedTier(_blob_store(HiCacheFile(config)))
+    n, got = tier.find(tuple(range(75)), comp).result(10)
+    assert n == 70 and all(_same(a, b) for a, b in zip(longer, got))
+    assert tier.find(tuple(range(1, 75)), comp).result(10) is None  # no record: a quiet miss
+    tier.close()
     assert _blob_store(object()) is None

@@ -130,13 +130,21 @@ def _engine(model_path, **kw):
     return Engine(model_path=str(model_path), **ENGINE_KW, **kw)
 
 
-def _trace(engine, tok):
+FIRST_TURNS, SECOND_TURNS = ((0, range(CONVERSATIONS)),), ((1, (0, 1)),)
+
+
+def _conversations():
+    return [[{"role": "system", "content": f"You are assistant number {c}. " + "Answer briefly. " * 130}]
+            for c in range(CONVERSATIONS)]
+
+
+def _trace(engine, tok, convs=None, rounds=FIRST_TURNS + SECOND_TURNS):
     """Five agents (a ~420-token system prompt each) take a turn each, then agents 0 and 1 a
-    second one. Returns per turn (output ids, cached_tokens_details, seconds)."""
-    convs = [[{"role": "system", "content": f"You are assistant number {c}. " + "Answer briefly. " * 130}]
-             for c in range(CONVERSATIONS)]
+    second one (``rounds``; ``convs`` carries the conversations from one call to the next).
+    Returns per turn (output ids, cached_tokens_details, seconds)."""
+    convs = _conversations() if convs is None else convs
     turns = []
-    for rnd, agents in ((0, range(CONVERSATIONS)), (1, (0, 1))):
+    for rnd, agents in rounds:
         for c in agents:
             msgs = convs[c]
             msgs.append({"role": "user", "content": f"Round {rnd}: one fact about the number {rnd * 7 + c}."})
@@ -165,17 +173,13 @@ def reference(default_model_path):
         engine.shutdown()
 
 
-def _vericache_trace(model_path, store_dir, monkeypatch, compressed_cache_mb, radix_cache_backend,
-                     tier_fraction=None):
+def _vericache_engine(model_path, store_dir, monkeypatch, compressed_cache_mb, radix_cache_backend,
+                      tier_fraction=None):
     """Engine B: VERICACHE, a 1024-token device pool, a host tier of 2048 tokens, the
-    throttled file store, the given radix cache backend. Returns (turns, VeriCache's counters)."""
-    from transformers import AutoTokenizer
-
+    throttled file store, the given radix cache backend."""
     from sgl_vericache.config import VeriCacheConfig
 
     backend = {} if radix_cache_backend is None else {"radix_cache_backend": radix_cache_backend}
-
-    tok = AutoTokenizer.from_pretrained(model_path)
     monkeypatch.syspath_prepend(str(BENCH))  # the scheduler imports throttled_store from here
     monkeypatch.setenv("VERICACHE_CHECK_INTEGRITY", "1")
     store = {"backend_name": "throttled_file", "module_path": "throttled_store", "class_name": "ThrottledFile",
@@ -189,12 +193,27 @@ def _vericache_trace(model_path, store_dir, monkeypatch, compressed_cache_mb, ra
                      hicache_io_backend="kernel", hicache_mem_layout="page_first",
                      hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(store),
                      hicache_storage_prefetch_policy="wait_complete")
+    return engine
+
+
+def _run(engine, tok, convs=None, rounds=FIRST_TURNS + SECOND_TURNS):
+    """``_trace`` on ``engine``, then shut it down: (turns, VeriCache's counters)."""
     try:
-        turns = _trace(engine, tok)
+        turns = _trace(engine, tok, convs, rounds)
         stats = engine.get_server_info()["internal_states"][0]["vericache"]
     finally:
         engine.shutdown()
     return turns, stats
+
+
+def _vericache_trace(model_path, store_dir, monkeypatch, compressed_cache_mb, radix_cache_backend,
+                     tier_fraction=None):
+    """The whole trace on one engine B. Returns (turns, VeriCache's counters)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return _run(_vericache_engine(model_path, store_dir, monkeypatch, compressed_cache_mb, radix_cache_backend,
+                                  tier_fraction), tok)
 
 
 def _check(ours, reference, stats, capfd):
@@ -246,3 +265,26 @@ def test_drafts_from_a_compressed_entry_read_back_from_storage(default_model_pat
     assert fetch["compressed_tier_fetches"] + fetch["compressed_tier_fetches_from_memory"] >= 1, fetch
     assert fetch["compressed_tier_fetch_corrupt"] == 0 and fetch["compressed_tier_spill_failures"] == 0, fetch
     assert list((tmp_path / "kv").glob("vericache-c-*")), "no compressed entry file in the store"
+
+
+def test_a_new_engine_drafts_from_entries_an_earlier_one_stored(default_model_path, reference, tmp_path,
+                                                                monkeypatch, capfd):
+    """Engine B1 (1 MiB compressed cache: each conversation's entry goes to the file store,
+    with its index record) takes the five first turns and stops. B2, a new engine on the same
+    store, takes agents 0's and 1's second turns: their prefixes stream in from the store,
+    and B2, whose compressed prefix cache starts empty, finds their compressed entries through
+    the index (written by B1's process), reads them back and drafts while the prefix arrives.
+    Read always (fraction 1.0), as in the test above. Token ids equal A's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    convs, store = _conversations(), tmp_path / "kv"
+    make = dict(compressed_cache_mb=1, radix_cache_backend=None, tier_fraction=1.0)
+    first, before = _run(_vericache_engine(default_model_path, store, monkeypatch, **make), tok, convs, FIRST_TURNS)
+    assert before["compressed_tier_index_records"] >= 2, before  # agents 0 and 1 at least
+    second, after = _run(_vericache_engine(default_model_path, store, monkeypatch, **make), tok, convs,
+                         SECOND_TURNS)
+    fetch = _check(first + second, reference, after, capfd)
+    # both second turns look their entry up, the first one too (B2 has run no forward before it)
+    assert fetch["fetch_draft_tier_lookups"] == 2 and fetch["fetch_draft_tier_index_entries"] >= 1, fetch
+    assert fetch["compressed_tier_index_hits"] >= 1 and fetch["compressed_tier_fetch_corrupt"] == 0, fetch

@@ -187,7 +187,8 @@ def test_backend_without_digest_support_is_refused(cpu_hicache):
 def test_compressed_entries_in_a_real_mooncake_store(cpu_hicache, mooncake_master):
     """VeriCache's compressed prefix entries written to Mooncake's store (beside SGLang's
     pages, through the checked wrapper the engine runs) come back bit-identical; written
-    twice, still one entry; an object replaced by other bytes, or removed, is a miss."""
+    twice, still one entry; a second tier on the store (another process) finds it through
+    its index record; an object replaced by other bytes, or removed, is a miss."""
     from sgl_vericache.mem_cache.compress import get_compressor
     from sgl_vericache.mem_cache.compressed_tier import CompressedTier
     from sgl_vericache.sglang_adapter import _blob_store
@@ -197,8 +198,8 @@ def test_compressed_entries_in_a_real_mooncake_store(cpu_hicache, mooncake_maste
     assert type(blobs).__name__ == "_MooncakeBlobs"
     torch.manual_seed(0)
     comp = get_compressor("kivi4", 4.0)
-    layers = [comp.compress(torch.randn(40, 2, 8), torch.randn(40, 2, 8)) for _ in range(2)]
-    tokens = tuple(range(40))
+    layers = [comp.compress(torch.randn(70, 2, 8), torch.randn(70, 2, 8)) for _ in range(2)]
+    tokens = tuple(range(70))
     tier = CompressedTier(blobs)
     try:
         stub = tier.spill(tokens, comp, layers)
@@ -210,6 +211,14 @@ def test_compressed_entries_in_a_real_mooncake_store(cpu_hicache, mooncake_maste
         assert got is not None
         for a, b in zip(layers, got):
             assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))
+        other = CompressedTier(blobs)
+        try:
+            n, found = other.find(tokens + (7, 8), comp).result(10)
+            assert n == 70 and all(torch.equal(x, y) for a, b in zip(layers, found)
+                                   for x, y in zip(a.tensors(), b.tensors()))
+            assert other.find(tuple(range(1, 80)), comp).result(10) is None  # another prefix: no record
+        finally:
+            other.close()
         assert inner.store.remove(stub.storage_key, force=True) == 0
         assert inner.store.put(stub.storage_key, bytes(stub.nbytes)) == 0
         assert tier.fetch(tokens, stub).result(10) is None

@@ -252,7 +252,8 @@ def _build_worker_class():
             if self.vc.fetch_draft_tokens > 0 and self.prefix_cache is not None:
                 self.fetch_drafter = _FetchDrafter(self)
                 _install_fetch_drafting()
-            self._tier_pending = self.fetch_drafter is not None  # attached at the first forward
+            # attached at the first forward or fetch-draft poll (SGLang's tree exists by then)
+            self._tier_pending = self.fetch_drafter is not None
             if self.vc.full_device_budget >= 0:
                 _check_parking_args(get_memory().radix_cache_backend, self.page_size)
             _install_verify_sampler()
@@ -295,10 +296,14 @@ def _build_worker_class():
         def _round_width(self, batch):
             return min(self.max_width, 1 + max(draft_len for _, draft_len in map(self._plan, batch.reqs)))
 
-        def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+        def attach_tier(self):
+            """The storage tier behind the compressed prefix cache, once SGLang's tree exists."""
             if self._tier_pending:
                 self._tier_pending = False
                 self.tier = _attach_compressed_tier(self)
+
+        def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+            self.attach_tier()
             is_round = batch.forward_mode.is_decode()
             width = self._round_width(batch) if is_round else self.max_width
             self._set_width(width)
@@ -712,12 +717,23 @@ def _attach_compressed_tier(worker):
     tier = CompressedTier(blobs)
 
     def spill(tokens, key, layers):  # entries of other weights never come back: the key says which
-        return tier.spill(tokens, (key, worker._weights_gen), layers)
+        return tier.spill(tokens, _tier_key(worker, key), layers)
 
     worker.prefix_cache.spill = spill
     logger.info("VeriCache: compressed entries evicted from the prefix cache go to the storage tier (%s)",
                 type(blobs).__name__)
     return tier
+
+
+def _tier_key(worker, compressor):
+    """What names a compressed entry in the storage tier besides its tokens: the compressor,
+    the weights' generation and the model (the tier outlives this process, and other engines
+    may share it), so an entry is only ever read back by a drafter that made the same kind."""
+    cfg = worker.model_runner.model_config
+    model = (getattr(cfg, "model_path", ""), str(cfg.dtype), cfg.num_hidden_layers,
+             cfg.get_total_num_kv_heads() if hasattr(cfg, "get_total_num_kv_heads") else None,
+             getattr(cfg, "head_dim", None))
+    return compressor, worker._weights_gen, model
 
 
 class _FileBlobs:
@@ -735,7 +751,7 @@ class _FileBlobs:
     def get(self, key, nbytes):
         import torch
 
-        if nbytes <= 0:
+        if nbytes <= 0 or not self.backend.exists(key):  # index probes miss often: no warning for each
             return None
         (page,) = self.backend.batch_get([key], [torch.empty(nbytes, dtype=torch.uint8)])
         return None if page is None else page.numpy().tobytes()
@@ -890,14 +906,33 @@ class _FetchJob:
     (``forced``, from position ``start``), then free drafting; ``drafts[j]`` predicts output
     position ``j``."""
 
-    def __init__(self, req, compressor, forced, start, steps, forward_batch):
-        self.req, self.compressor, self.forced, self.start, self.steps = req, compressor, forced, start, steps
+    def __init__(self, req, compressor, tokens, wanted, forward_batch):
+        self.req, self.compressor, self.tokens, self.wanted = req, compressor, tokens, wanted
         self.fb = forward_batch
         self.step = 0
         self.next = None  # the last step's argmax: the next step's input once forcing is done
         self.drafts = []
         self.polled = time.monotonic()
-        self.entry = None  # a Future of the compressed entry read back from the storage tier, until seeded
+        # A Future of an entry read back from the storage tier, until seeded: its layers
+        # (``entry_len`` tokens, a stub's read) or (length, layers) (``entry_len`` None, an
+        # index lookup); ``fallback``: (length, layers) from the prefix cache if it finds none.
+        self.entry, self.entry_len, self.fallback = None, None, None
+        self.place(0)
+
+    def place(self, n: int) -> None:
+        """Draft from a compressed entry of the first ``n`` prompt tokens."""
+        self.start, self.forced = n, self.tokens[n:]
+        self.steps = len(self.tokens) - n + self.wanted - 1
+        fb = self.fb
+        fb.seq_lens, fb.positions, fb.seq_lens_sum = fb.seq_lens * 0 + n + 1, fb.positions * 0 + n, n + 1
+        fb.seq_lens_cpu = fb.seq_lens_cpu * 0 + n + 1
+
+    def arrived(self):
+        """(length, layers) of the entry read from the tier (its Future done), or None."""
+        result = self.entry.result()
+        if result is not None and self.entry_len is not None:
+            result = (self.entry_len, result)
+        return result
 
 
 class _FetchDrafter:
@@ -910,7 +945,8 @@ class _FetchDrafter:
     compressed entry (VeriCache's compressed prefix cache keeps entries after the full KV
     left the device and host, the eviction order the tiers promise) seeds a draft store of
     its own (an entry the cache sent on to the storage tier is read back first, on the
-    tier's reader thread: polls until it arrives draft nothing); the prompt's tokens past
+    tier's reader thread, and one this process never held is looked up in the tier's index
+    there: polls until it arrives draft nothing); the prompt's tokens past
     the entry are fed one by one through draft attention
     (teacher forcing: their provisional KV lives in that store's round buffer only), then it
     drafts freely, up to ``--vericache-fetch-draft-tokens``. When the prefetch completes the
@@ -984,6 +1020,7 @@ class _FetchDrafter:
         if job is None:
             if req.rid in self._passed or hit_tokens <= 0:
                 return
+            self.worker.attach_tier()  # a new engine's first request may come before its first forward
             job = self.job = self._start(req, hit_tokens)
             if job is None:
                 self._passed.add(req.rid)
@@ -1008,37 +1045,58 @@ class _FetchDrafter:
         tokens = [int(t) for t in req.origin_input_ids]
         w._weights_changed()
         n, layers = w.prefix_cache.match(tokens[:-1], compressor, count=False)
-        entry = None
-        if w.tier is not None:
-            spilled_n, stub = w.prefix_cache.match_spilled(tokens[:-1], compressor)
-            if spilled_n > n and len(tokens) - spilled_n <= self.MAX_FORCED:
-                if self._worth_reading(stub, hit_tokens):
-                    n, layers = spilled_n, None
-                else:
-                    w.stats.add("fetch_draft_tier_skipped", 1)
-        if not n or len(tokens) - n > self.MAX_FORCED:
-            return None
+        fallback = (n, layers) if n and len(tokens) - n <= self.MAX_FORCED else None
         # drafts for output positions 0 .. wanted-1 (position 0 is checked against the
         # token the prefill will sample; no use drafting past the request's last token)
         wanted = min(w.vc.fetch_draft_tokens, req.sampling_params.max_new_tokens or w.vc.fetch_draft_tokens)
         if wanted < 2:
             return None
-        if layers is None:
-            entry = w.tier.fetch(tokens[:n], stub)  # on the tier's reader thread
-        steps = len(tokens) - n + wanted - 1
+        entry, entry_len = self._tier_entry(tokens, compressor, n, hit_tokens) if w.tier is not None else (None, 0)
+        if entry is None and fallback is None:
+            return None
         one = torch.ones(1, dtype=torch.int64, device=w.device)
         fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1, input_ids=one,
-                          req_pool_indices=one * 0, seq_lens=one * (n + 1), out_cache_loc=None,
-                          seq_lens_sum=n + 1, positions=one * n, seq_lens_cpu=torch.tensor([n + 1]),
+                          req_pool_indices=one * 0, seq_lens=one, out_cache_loc=None, seq_lens_sum=1,
+                          positions=one * 0, seq_lens_cpu=torch.ones(1, dtype=torch.int64),
                           capture_hidden_mode=CaptureHiddenMode.NULL)
         w.stats.add("fetch_draft_requests", 1)
-        job = _FetchJob(req, compressor, tokens[n:], n, steps, fb)
+        job = _FetchJob(req, compressor, tokens, wanted, fb)
         if entry is None:
+            job.place(n)
             self._seed(job, layers)
         else:
-            job.entry = entry
-            w.stats.add("fetch_draft_tier_entries", 1)
+            job.entry, job.entry_len, job.fallback = entry, entry_len, fallback
         return job
+
+    def _tier_entry(self, tokens, compressor, n, hit_tokens):
+        """A read, on the tier's reader thread, of an entry longer than the ``n`` prompt
+        tokens the prefix cache holds one for: a stub's (the cache sent it to the tier) or,
+        with no stub, one the tier's index knows (written by an earlier process, or another
+        engine on the same store). (its Future, its length; None for an index lookup), or
+        (None, 0): nothing to read, or not worth reading (``--vericache-fetch-draft-tier-fraction``)."""
+        from sgl_vericache.mem_cache.compressed_tier import INDEX_ANCHOR, SpilledEntry, index_anchors
+
+        w = self.worker
+        spilled_n, stub = w.prefix_cache.match_spilled(tokens[:-1], compressor)
+        if spilled_n > n:
+            if len(tokens) - spilled_n > self.MAX_FORCED:
+                return None, 0
+            if not self._worth_reading(stub, hit_tokens):
+                w.stats.add("fetch_draft_tier_skipped", 1)
+                return None, 0
+            w.stats.add("fetch_draft_tier_entries", 1)
+            return w.tier.fetch(tokens[:spilled_n], stub), spilled_n
+        # an index lookup delays drafting: only for an entry at least INDEX_ANCHOR tokens
+        # longer than one in hand, and close enough to the prompt's end to draft from
+        longer_than = max(n + INDEX_ANCHOR - 1 if n else 0, len(tokens) - self.MAX_FORCED - 1)
+        if not index_anchors(len(tokens) - 1, longer_than):
+            return None, 0
+        w.stats.add("fetch_draft_tier_lookups", 1)
+
+        def accept(num_tokens, nbytes):  # on the reader thread, once the entry's size is known
+            return self._worth_reading(SpilledEntry(num_tokens, "", nbytes=nbytes), hit_tokens)
+
+        return w.tier.find(tokens[:-1], _tier_key(w, compressor), longer_than, accept), None
 
     def _seed(self, job, layers) -> None:
         key = ("fetch-draft", job.req.rid)
@@ -1056,14 +1114,22 @@ class _FetchDrafter:
             return False
         from sgl_vericache.mem_cache.compressed_tier import move_entry
 
-        layers, job.entry = job.entry.result(), None
+        found, job.entry = job.arrived(), None
         w = self.worker
-        if layers is None:  # gone from the tier, or not that entry: nothing to draft from
-            self._passed.add(job.req.rid)
-            self.job = None
-            return False
-        layers = move_entry(layers, w.device)
-        w.prefix_cache.insert(job.req.origin_input_ids[: job.start], job.compressor, layers)
+        if found is not None and len(found[1]) != w.store.num_layers:
+            found = None  # another model's entry (its key should have said so): never seed from it
+        if found is None:  # gone from the tier, not that entry, or not worth reading
+            if job.fallback is None:  # nothing to draft from
+                self._passed.add(job.req.rid)
+                self.job = None
+                return False
+            n, layers = job.fallback
+        else:
+            n, layers = found[0], move_entry(found[1], w.device)
+            w.prefix_cache.insert(job.tokens[:n], job.compressor, layers)
+            if job.entry_len is None:
+                w.stats.add("fetch_draft_tier_index_entries", 1)
+        job.place(n)
         self._seed(job, layers)
         return True
 
@@ -1117,12 +1183,13 @@ class _FetchDrafter:
     def _finish(self) -> None:
         job, self.job = self.job, None
         self.store.clear()
-        if job.entry is not None and job.entry.done() and job.entry.result() is not None:
+        found = job.arrived() if job.entry is not None and job.entry.done() else None
+        if found is not None and len(found[1]) == self.worker.store.num_layers:
             from sgl_vericache.mem_cache.compressed_tier import move_entry
 
             # read back too late to draft from, still worth keeping: the prefix is in use
-            self.worker.prefix_cache.insert(job.req.origin_input_ids[: job.start], job.compressor,
-                                            move_entry(job.entry.result(), self.worker.device))
+            self.worker.prefix_cache.insert(job.tokens[: found[0]], job.compressor,
+                                            move_entry(found[1], self.worker.device))
         if job.drafts and not job.req.finished():
             self.queue.put(job.req.rid, job.drafts)
             self.worker.stats.add("fetch_draft_tokens", len(job.drafts))
@@ -2402,6 +2469,16 @@ class _Stats:
         "fetch_draft_tier_entries": "Waiting requests whose compressed entry was read back from the storage tier",
         "fetch_draft_tier_skipped": "Waiting requests whose compressed entry was in the storage tier but not read: "
                                     "expected to arrive too late to draft from (--vericache-fetch-draft-tier-fraction)",
+        "fetch_draft_tier_lookups": "Waiting requests that looked their prefix up in the storage tier's index of "
+                                    "compressed entries (no entry known in this process)",
+        "fetch_draft_tier_index_entries": "Waiting requests that drafted from an entry found through that index",
+        "compressed_tier_index_records": "Index records written beside compressed entries (found by any process)",
+        "compressed_tier_index_failures": "Index records the storage tier refused or failed to write",
+        "compressed_tier_index_lookups": "Lookups of a prefix in the storage tier's index",
+        "compressed_tier_index_probes": "Index records asked for by those lookups",
+        "compressed_tier_index_hits": "Lookups that read back an entry",
+        "compressed_tier_index_skipped": "Lookups that found an entry but did not read it: expected too late "
+                                         "(--vericache-fetch-draft-tier-fraction)",
         "compressed_tier_spilled_entries": "Compressed entries evicted from the prefix cache and written to the "
                                            "storage tier",
         "compressed_tier_spilled_bytes": "Bytes of those entries as stored (encoded, with their digest)",

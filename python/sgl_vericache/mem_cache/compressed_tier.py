@@ -16,6 +16,14 @@ the entry's compressor key, its token ids, the header and the bytes. No pickle: 
 code. A read whose digest does not match (corrupt bytes, a short read, another prefix's
 entry under a colliding key) is a miss, counted, never an entry.
 
+Entries outlive the process that wrote them: next to each entry of at least
+``INDEX_ANCHOR`` tokens the tier writes a small index record, named by the compressor key and
+the entry's first ``INDEX_ANCHOR``-multiple of tokens, that says which entry (and how long) to
+read. ``find`` probes those names for a request's tokens, longest first, so an engine started
+later (or another one on the same store) drafts from entries it never held in memory. Index
+records are written once (stores keep the first value under a name); one that points at an
+entry that is gone, or not a prefix of the request, is a miss like any other.
+
 Reading an entry back is worth it only when it lands well before the full prefix: the
 drafts are made in the time left between the two. ``worth_reading`` estimates both
 arrivals from their sizes and each transfer's measured speed (``Throughput``).
@@ -179,6 +187,56 @@ def storage_key(data: bytes) -> str:
     return "vericache-c-" + bytes(data[_PREFIX.size : _PREFIX.size + _DIGEST]).hex()
 
 
+INDEX_ANCHOR = 64  # index records name prefixes of a multiple of this many tokens
+INDEX_RECORD_BYTES = 256  # fixed, so a reader knows how many bytes to ask the store for
+MAX_INDEX_PROBES = 9  # anchors ``find`` tries per lookup, longest first (9: 512 tokens back)
+
+
+def index_key(key: str, tokens: Sequence[int]) -> str:
+    """The name of the index record for entries of compressor ``key`` (its repr) whose
+    first ``len(tokens)`` tokens (a multiple of ``INDEX_ANCHOR``) are ``tokens``."""
+    digest = hashlib.blake2b(key.encode() + b"\0" + _tokens_bytes(tokens), digest_size=_DIGEST).hexdigest()
+    return "vericache-i-" + digest
+
+
+def tokens_digest(tokens: Sequence[int]) -> str:
+    return hashlib.blake2b(_tokens_bytes(tokens), digest_size=_DIGEST).hexdigest()
+
+
+def encode_index_record(tokens: Sequence[int], entry_key: str, nbytes: int) -> bytes:
+    """The index record for the stored entry ``entry_key`` (``nbytes``) of ``tokens``."""
+    body = json.dumps({"n": len(tokens), "t": tokens_digest(tokens), "key": entry_key, "nbytes": nbytes},
+                      separators=(",", ":")).encode()
+    assert len(body) <= INDEX_RECORD_BYTES, body
+    return body.ljust(INDEX_RECORD_BYTES, b" ")
+
+
+def decode_index_record(data: Optional[bytes]) -> Optional[tuple[int, str, str, int]]:
+    """(entry tokens, digest of those tokens, entry storage key, entry bytes) of an index
+    record; None for anything that is not one (missing, short, damaged)."""
+    if not data or len(data) != INDEX_RECORD_BYTES:
+        return None
+    try:
+        record = json.loads(bytes(data).decode())
+        n, digest, key, nbytes = record["n"], record["t"], record["key"], record["nbytes"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    if not (isinstance(n, int) and isinstance(nbytes, int) and isinstance(key, str) and isinstance(digest, str)) \
+            or isinstance(n, bool) or n < INDEX_ANCHOR \
+            or nbytes <= _PREFIX.size + _DIGEST or not key.startswith("vericache-c-"):
+        return None
+    return n, digest, key, nbytes
+
+
+def index_anchors(num_tokens: int, longer_than: int = 0) -> list[int]:
+    """The prefix lengths ``find`` probes for ``num_tokens`` tokens, longest first: the
+    multiples of ``INDEX_ANCHOR`` up to ``num_tokens`` whose entries can be longer than
+    ``longer_than`` (an entry is at least as long as its anchor), at most ``MAX_INDEX_PROBES``."""
+    top = num_tokens // INDEX_ANCHOR * INDEX_ANCHOR
+    low = max(INDEX_ANCHOR, longer_than // INDEX_ANCHOR * INDEX_ANCHOR)
+    return list(range(top, low - 1, -INDEX_ANCHOR))[:MAX_INDEX_PROBES]
+
+
 # ---------------------------------------------------------------------- when to read
 
 class Throughput:
@@ -252,7 +310,8 @@ class CompressedTier:
         self._pending_bytes = 0
         self.counters = dict.fromkeys(
             ("spilled_entries", "spilled_bytes", "spill_failures", "spills_dropped", "fetches", "fetched_bytes",
-             "fetch_seconds", "fetch_misses", "fetch_corrupt", "fetches_from_memory"), 0)
+             "fetch_seconds", "fetch_misses", "fetch_corrupt", "fetches_from_memory", "index_records",
+             "index_failures", "index_lookups", "index_probes", "index_hits", "index_skipped"), 0)
         self.read_speed = Throughput()  # of reads (store get + decode), for ``worth_reading``
 
     def _count(self, name: str, n=1) -> None:
@@ -292,12 +351,24 @@ class CompressedTier:
             logger.warning("VeriCache: writing a compressed entry to the storage tier failed: %s", e)
             ok, data = False, b""
         stub.nbytes = len(data)
+        if ok and len(tokens) >= INDEX_ANCHOR:
+            self._write_index(stub, tokens)
         stub.failed = not ok
         stub.layers = None
         with self._lock:
             self._pending_bytes -= size
             self.counters["spilled_entries" if ok else "spill_failures"] += 1
             self.counters["spilled_bytes"] += len(data) if ok else 0
+
+    def _write_index(self, stub: SpilledEntry, tokens: tuple) -> None:
+        """The record that lets ``find`` (in any process) come to this entry from its tokens."""
+        name = index_key(stub.key, tokens[: len(tokens) // INDEX_ANCHOR * INDEX_ANCHOR])
+        try:
+            ok = bool(self.store.put(name, encode_index_record(tokens, stub.storage_key, stub.nbytes)))
+        except Exception as e:
+            logger.warning("VeriCache: writing a compressed entry's index record failed: %s", e)
+            ok = False
+        self._count("index_records" if ok else "index_failures")
 
     # -------------------------------------------------------------- read
 
@@ -315,6 +386,39 @@ class CompressedTier:
             done.set_result(None)
             return done
         return self._reader.submit(self._read, tuple(tokens), stub)
+
+    def find(self, tokens: Sequence[int], key: Hashable, longer_than: int = 0,
+             accept=None) -> "Future[Optional[tuple[int, tuple]]]":
+        """The longest entry for ``key`` over a prefix of ``tokens`` longer than
+        ``longer_than`` that the store's index records know (written by this process or by
+        any other on the same store), read back on the reader thread: (its length, its
+        layers on the CPU), or None. ``accept(num_tokens, nbytes)``, asked before the entry
+        itself is read, can turn it down (it is then not read; counted as skipped)."""
+        return self._reader.submit(self._find, tuple(tokens), repr(key), longer_than, accept)
+
+    def _find(self, tokens: tuple, name: str, longer_than: int, accept) -> Optional[tuple[int, tuple]]:
+        self._count("index_lookups")
+        for anchor in index_anchors(len(tokens), longer_than):
+            self._count("index_probes")
+            try:
+                record = decode_index_record(self.store.get(index_key(name, tokens[:anchor]), INDEX_RECORD_BYTES))
+            except Exception as e:
+                logger.warning("VeriCache: reading an index record from the storage tier failed: %s", e)
+                record = None
+            if record is None:
+                continue
+            n, digest, entry_key, nbytes = record
+            if not anchor <= n <= len(tokens) or n <= longer_than or digest != tokens_digest(tokens[:n]):
+                continue  # past these tokens, no longer than what the caller has, or another prefix
+            if accept is not None and not accept(n, nbytes):
+                self._count("index_skipped")
+                return None
+            layers = self._read(tokens[:n], SpilledEntry(n, name, nbytes=nbytes, storage_key=entry_key))
+            if layers is None:  # gone, or damaged: a shorter one may be there
+                continue
+            self._count("index_hits")
+            return n, layers
+        return None
 
     def _read(self, tokens: tuple, stub: SpilledEntry) -> Optional[tuple]:
         t0 = time.perf_counter()
