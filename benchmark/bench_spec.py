@@ -159,14 +159,20 @@ class EngineProc:
         self.conn.send(("state",))
         return self._reply()
 
-    def shutdown(self) -> None:
-        """Ask the child to shut its engine down; one that does not answer within two
-        minutes (still starting, or its scheduler died) is terminated, then killed."""
-        if self.proc.is_alive():
+    def request_shutdown(self) -> None:
+        """Ask the child to shut its engine down, without waiting (``shutdown`` waits)."""
+        if self.proc.is_alive() and not getattr(self, "_shutdown_sent", False):
+            self._shutdown_sent = True
             try:
                 self.conn.send(("shutdown",))
             except (BrokenPipeError, OSError):
                 pass
+
+    def shutdown(self) -> None:
+        """Ask the child to shut its engine down; one that does not answer within two
+        minutes (still starting, or its scheduler died) is terminated, then killed."""
+        if self.proc.is_alive():
+            self.request_shutdown()
             self.proc.join(120)
         if self.proc.is_alive():
             self.proc.terminate()

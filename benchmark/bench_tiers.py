@@ -198,8 +198,11 @@ def run(cfg: TiersConfig, model_path: str, save) -> dict:
                     result["summary"] = summarize_arms(result)
                     save(result)
         finally:
+            for engine in (off, spec):  # both shut down at once, then wait for each
+                engine.request_shutdown()
             off.shutdown()
             spec.shutdown()
+            log("engines shut down")
     return result
 
 
