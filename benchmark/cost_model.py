@@ -337,7 +337,7 @@ def calibrate_attention(shape: Optional[ModelShape] = None, context: int = 8192,
       full_kv_bw       SGLang's torch_native decode for one request: copy its K and V rows
                        out of the pool (slots in order), SDPA of one query over the copy;
                        bytes = K + V of ``context`` tokens.
-      verify_kv_bw     our verify attention (sglang_adapter._verify_attention): the same
+      verify_kv_bw     our verify attention (sglang/attention.py: verify_attention): the same
                        copy, then ``verify_tokens`` queries under a boolean mask.
       draft_kv_bw      our drafter (spec/drafter.py): one SDPA for ``batch`` requests over
                        a contiguous buffer of context / ratio tokens each, sliced as it is.

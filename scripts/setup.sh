@@ -47,7 +47,7 @@ else
     # Run the CPU compatibility hook at every interpreter start in this venv, so SGLang's
     # spawned processes get it as well (it does nothing when sgl_kernel imports).
     site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    echo 'import sgl_vericache.cpu_compat as _c; _c.install()' > "$site/sgl_vericache_cpu_compat.pth"
+    echo 'import sgl_vericache.cpu.compat as _c; _c.install()' > "$site/sgl_vericache_cpu_compat.pth"
     echo "$want" > "$STAMP"
     say "packages installed in $(( $(date +%s) - start )) s"
 fi

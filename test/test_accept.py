@@ -163,7 +163,7 @@ VOCAB = 8
 def sglang_sampler():
     """SGLang's pure-torch filter-and-sample function and the engine's parameter
     normalization, fed the way Sampler.forward feeds them."""
-    import sgl_vericache.cpu_compat as cpu_compat
+    import sgl_vericache.cpu.compat as cpu_compat
 
     cpu_compat.install()
     from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
@@ -221,9 +221,10 @@ def test_seeded_draws_with_min_p_fit_the_distribution(sglang_sampler):
     must fit the same distribution as SGLang's own unseeded min-p sampling."""
     from sglang.srt.layers import sampler as sampler_mod
 
-    from sgl_vericache.sglang_adapter import _seeded_per_row_sampling
+    from sgl_vericache.sglang.runtime import Runtime
+    from sgl_vericache.sglang.sampling import install_seeded_per_row_sampling
 
-    _seeded_per_row_sampling()
+    install_seeded_per_row_sampling(Runtime())
     draws_per_row = 20_000
     logits = 2 * torch.randn(len(USER_PARAMS), VOCAB, generator=torch.Generator().manual_seed(4))
     logits = logits.repeat_interleave(draws_per_row, dim=0)
@@ -256,11 +257,12 @@ def test_seeded_draw_depends_only_on_its_own_row(sglang_sampler):
     from sglang.srt.layers import sampler as sampler_mod
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sgl_vericache.sglang_adapter import _seeded_per_row_sampling
+    from sgl_vericache.sglang.runtime import Runtime
+    from sgl_vericache.sglang.sampling import install_seeded_per_row_sampling
 
     unpatched = sampler_mod.top_k_top_p_min_p_sampling_from_probs_torch
     unpatched = getattr(unpatched, "__wrapped__", unpatched)
-    _seeded_per_row_sampling()
+    install_seeded_per_row_sampling(Runtime())
     vocab, draws = 64, 400
     gen = torch.Generator().manual_seed(7)
     probs = torch.softmax(2 * torch.randn(draws, vocab, generator=gen), dim=-1)

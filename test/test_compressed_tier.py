@@ -488,7 +488,7 @@ def test_blob_stores_over_sglang_file_backends(tmp_path):
     import sys
     from pathlib import Path
 
-    from sgl_vericache import cpu_compat
+    from sgl_vericache.cpu import compat as cpu_compat
 
     cpu_compat.install()
     from sglang.srt.mem_cache.hicache_storage import (
@@ -497,7 +497,7 @@ def test_blob_stores_over_sglang_file_backends(tmp_path):
         HiCacheStorageFailureInjector,
     )
 
-    from sgl_vericache.sglang_adapter import _blob_store
+    from sgl_vericache.sglang.storage import blob_store as _blob_store
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
     from throttled_store import ThrottledFile
@@ -510,7 +510,7 @@ def test_blob_stores_over_sglang_file_backends(tmp_path):
     tokens = tuple(range(48))
     for backend in (HiCacheFile(config), HiCacheStorageFailureInjector(ThrottledFile(config), 0.0, 0.0)):
         blobs = _blob_store(backend)
-        assert type(blobs).__name__ == "_FileBlobs"
+        assert type(blobs).__name__ == "FileBlobs"
         tier = CompressedTier(blobs)
         stub = tier.spill(tokens, comp, layers)
         tier.drain()

@@ -236,7 +236,7 @@ def test_query_aware_compressor_gets_prompt_queries():
 
 
 def test_pad_drafts_fills_the_verify_width():
-    from sgl_vericache.sglang_adapter import _pad_drafts
+    from sgl_vericache.spec.round import pad_drafts as _pad_drafts
 
     drafts = np.array([[5, 6, 7], [8, 9, 10]])
     out = _pad_drafts(drafts, [1, 3], 5)
@@ -247,7 +247,7 @@ def test_narrow_rows_keeps_only_the_drafting_rows():
     """Staggered verifies: the draft pass runs over the rows that verify this round only."""
     import dataclasses
 
-    from sgl_vericache.sglang_adapter import _narrow_rows
+    from sgl_vericache.sglang.forward import narrow_rows as _narrow_rows
 
     @dataclasses.dataclass
     class FB:  # the shape of SGLang's ForwardBatch that matters here
@@ -274,7 +274,7 @@ def test_narrow_rows_of_a_verify_batch_keeps_each_rows_tokens():
     count of real tokens follows."""
     import dataclasses
 
-    from sgl_vericache.sglang_adapter import _narrow_rows
+    from sgl_vericache.sglang.forward import narrow_rows as _narrow_rows
 
     @dataclasses.dataclass
     class FB:
@@ -299,7 +299,7 @@ def test_narrow_rows_of_a_verify_batch_keeps_each_rows_tokens():
 def test_cpu_stand_in_serves_ops_and_refuses_unknown_ones():
     code = (
         "import sgl_kernel, torch\n"
-        "from sgl_vericache import cpu_compat\n"
+        "from sgl_vericache.cpu import compat as cpu_compat\n"
         "if not cpu_compat.stand_in_active():\n"
         "    print('REAL'); raise SystemExit\n"
         "x = torch.randn(4, 8); w = torch.ones(8)\n"
@@ -322,7 +322,8 @@ def test_prompt_queries_are_captured_per_request_and_layer():
     across chunked prefills, capped at MAX_CAPTURED_QUERIES."""
     from types import SimpleNamespace
 
-    from sgl_vericache.sglang_adapter import MAX_CAPTURED_QUERIES, _capture_queries, _layer_queries
+    from sgl_vericache.sglang.attention import capture_queries as _capture_queries
+    from sgl_vericache.spec.round import MAX_CAPTURED_QUERIES, layer_queries as _layer_queries
 
     backend = SimpleNamespace(capture={}, capture_rids=["a", "b"])
     layer = SimpleNamespace(tp_q_head_num=3, qk_head_dim=4, layer_id=1)
@@ -415,7 +416,7 @@ def test_every_flag_has_a_row_in_the_readme_flag_table():
 
 
 def test_a_full_kv_device_budget_brings_the_vericache_radix_backend_and_refuses_others():
-    from sgl_vericache.sglang_adapter import apply_vericache_flags
+    from sgl_vericache.sglang.server import apply_vericache_flags
 
     vc, rest = parse_known(["--vericache-full-device-budget", "0"])
     assert vc.full_device_budget == 0

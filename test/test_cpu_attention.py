@@ -1,4 +1,4 @@
-"""The CPU engine's extend attention (sgl_vericache.cpu_attention) against SGLang's own
+"""The CPU engine's extend attention (sgl_vericache.cpu.attention) against SGLang's own
 torch_native extend on random pools: prefix hits, no prefix, GQA, scattered slots, long
 extends crossing query blocks. Fast (no engine)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_vericache import cpu_attention
-from sgl_vericache.cpu_attention import extend_attention
+from sgl_vericache.cpu import attention as cpu_attention
+from sgl_vericache.cpu.attention import extend_attention
 
 
 def _sglang_extend():
@@ -75,10 +75,11 @@ def test_extend_attention_query_blocks(monkeypatch):
 def test_plugin_installs_extend_attention():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-    from sgl_vericache import sglang_adapter
+    from sgl_vericache.sglang.attention import install_cpu_extend_attention
+    from sgl_vericache.sglang.runtime import Runtime
 
-    sglang_adapter._install_cpu_extend_attention()
+    install_cpu_extend_attention(Runtime())
     assert getattr(TorchNativeAttnBackend._run_sdpa_forward_extend, "_vericache", False)
-    sglang_adapter._install_cpu_extend_attention()  # idempotent: not wrapped twice
+    install_cpu_extend_attention(Runtime())  # idempotent: not wrapped twice
     patched = TorchNativeAttnBackend._run_sdpa_forward_extend
     assert not getattr(patched.sglang_original, "_vericache", False)

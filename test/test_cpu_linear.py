@@ -1,4 +1,4 @@
-"""Prepacked oneDNN weight products (sgl_vericache.cpu_linear) against F.linear, and
+"""Prepacked oneDNN weight products (sgl_vericache.cpu.linear) against F.linear, and
 their wiring into SGLang's linear layers and lm_head. Fast (no engine)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_vericache import cpu_linear
-from sgl_vericache.cpu_linear import PackedLinear, packed_linear_available
+from sgl_vericache.cpu import linear as cpu_linear
+from sgl_vericache.cpu.linear import PackedLinear, packed_linear_available
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="PyTorch without oneDNN")
 
@@ -59,9 +59,11 @@ def test_sglang_linear_and_lm_head_use_packed_weights(monkeypatch):
     plain lm_head product go through it (counted), and give F.linear's result."""
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-    from sgl_vericache import sglang_adapter
+    from sgl_vericache.sglang.linear import install_weight_products
+    from sgl_vericache.sglang.runtime import Runtime
 
-    sglang_adapter._install_draft_weights()
+    runtime = Runtime()
+    install_weight_products(runtime)
     calls = []
 
     class Counting(PackedLinear):
@@ -69,29 +71,28 @@ def test_sglang_linear_and_lm_head_use_packed_weights(monkeypatch):
             calls.append(tuple(weight.shape))
             return super().linear(x, weight, bias)
 
-    monkeypatch.setattr(sglang_adapter, "_PACKED_LINEAR", Counting())
+    runtime.packed_linear = Counting()
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(torch.randn(24, 12), requires_grad=False)
     x = torch.randn(5, 12)
     out = UnquantizedLinearMethod().apply(layer, x, None)
     torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
     assert calls == [(24, 12)]
-    monkeypatch.setattr(sglang_adapter, "_PACKED_LINEAR", None)  # torch mode: SGLang's own F.linear
+    runtime.packed_linear = None  # torch mode: SGLang's own F.linear
     assert torch.equal(UnquantizedLinearMethod().apply(layer, x, None), F.linear(x, layer.weight))
     assert calls == [(24, 12)]
 
 
 def test_cpu_linear_modes():
-    from sgl_vericache import sglang_adapter
     from sgl_vericache.config import VeriCacheConfig
+    from sgl_vericache.sglang.linear import install_cpu_linear
+    from sgl_vericache.sglang.runtime import Runtime
 
-    try:
-        sglang_adapter._install_cpu_linear("torch")
-        assert sglang_adapter._PACKED_LINEAR is None
-        sglang_adapter._install_cpu_linear("auto")
-        assert isinstance(sglang_adapter._PACKED_LINEAR, PackedLinear)
-    finally:
-        sglang_adapter._PACKED_LINEAR = None
+    runtime = Runtime()
+    install_cpu_linear(runtime, "torch")
+    assert runtime.packed_linear is None
+    install_cpu_linear(runtime, "auto")
+    assert isinstance(runtime.packed_linear, PackedLinear)
     with pytest.raises(ValueError, match="--vericache-cpu-linear 'fast' is not one of auto, packed, torch"):
         VeriCacheConfig(cpu_linear="fast")
 
@@ -99,10 +100,11 @@ def test_cpu_linear_modes():
 def test_weight_updater_methods_bump_the_generation():
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    from sgl_vericache import sglang_adapter
+    from sgl_vericache.sglang.linear import install_weight_update_hook
+    from sgl_vericache.sglang.runtime import Runtime
 
-    sglang_adapter._install_weight_update_hook()
-    sglang_adapter._install_weight_update_hook()  # idempotent
+    install_weight_update_hook(Runtime())
+    install_weight_update_hook(Runtime())  # idempotent
     for name in ("update_weights_from_disk", "update_weights_from_tensor", "end_weight_update"):
         assert getattr(getattr(WeightUpdater, name), "_vericache", False), name
     before = cpu_linear.weights_generation()

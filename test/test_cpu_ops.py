@@ -1,4 +1,4 @@
-"""The pure-torch sgl_kernel CPU ops (sgl_vericache.cpu_ops) on small hand-built inputs,
+"""The pure-torch sgl_kernel CPU ops (sgl_vericache.cpu.ops) on small hand-built inputs,
 against hand-derived outputs or a plain loop written from the CUDA/Triton twin. Fast."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from sgl_vericache.cpu_ops import OPS
+from sgl_vericache.cpu.ops import OPS
 
 # --- KV pool ----------------------------------------------------------------------------
 
@@ -298,7 +298,7 @@ def _murmur3_x86_32(data: bytes) -> int:
 def test_murmur_hash32_matches_textbook_murmur3():
     import struct
 
-    from sgl_vericache.cpu_ops import murmur_hash32_cpu
+    from sgl_vericache.cpu.ops import murmur_hash32_cpu
 
     seeds = torch.tensor([0, 42, 2**62 + 12345, -7, 2**63 - 1])
     positions = torch.tensor([0, 1, 100, 70000, 2**31 + 5])

@@ -73,7 +73,8 @@ def test_row_invariant_linear_is_bit_exact_across_row_counts():
     import torch
     import torch.nn.functional as F
 
-    from sgl_vericache.sglang_adapter import _row_invariant_linear, _row_invariant_mode
+    from sgl_vericache.cpu.row_invariant import row_invariant_linear as _row_invariant_linear
+    from sgl_vericache.cpu.row_invariant import row_invariant_mode as _row_invariant_mode
 
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(1536, 576, generator=g), torch.randn(1536, generator=g)
@@ -93,23 +94,26 @@ def test_row_invariant_linear_is_bit_exact_across_row_counts():
 def test_only_draft_passes_skip_the_row_invariant_mode(monkeypatch):
     """The mode wraps every ``ModelRunner.forward`` except the worker's draft passes (their
     tokens are proposals that verify recomputes): a weight product inside forward goes
-    through the row-invariant kernel, unless ``_DRAFTING`` is set."""
+    through the row-invariant kernel, unless the runtime is drafting."""
     import torch
     import torch.nn.functional as F
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    from sgl_vericache import sglang_adapter
+    from sgl_vericache.cpu import row_invariant
+    from sgl_vericache.sglang.linear import install_row_invariant_forward
+    from sgl_vericache.sglang.runtime import Runtime
 
     w, x = torch.randn(8, 4), torch.randn(3, 4)
     calls = []
-    kernel = sglang_adapter._row_invariant_linear
-    monkeypatch.setattr(sglang_adapter, "_row_invariant_linear", lambda *a: calls.append(1) or kernel(*a))
+    kernel = row_invariant.row_invariant_linear
+    monkeypatch.setattr(row_invariant, "row_invariant_linear", lambda *a: calls.append(1) or kernel(*a))
     monkeypatch.setattr(ModelRunner, "forward", lambda self: F.linear(x, w))  # restored afterwards
-    sglang_adapter._install_row_invariant_forward()
+    runtime = Runtime()
+    install_row_invariant_forward(runtime)
     assert getattr(ModelRunner.forward, "_vericache", False)
 
     ModelRunner.forward(None)  # prefill / decode / verify
     assert len(calls) == 1
-    monkeypatch.setattr(sglang_adapter, "_DRAFTING", True)
+    runtime.drafting = True
     out = ModelRunner.forward(None)  # a draft pass: plain F.linear
     assert len(calls) == 1 and torch.equal(out, F.linear(x, w))

@@ -51,8 +51,9 @@ def test_draft_queue_keeps_the_newest_requests():
 
 
 def test_fetch_drafter_reads_a_tier_entry_only_when_it_lands_early():
-    """The adapter's wiring of ``worth_reading``: the full KV's bytes per token come from the
-    worker's pool, SGLang's prefetches teach it their speed, the tier's reads theirs."""
+    """The fetch drafter's wiring of ``worth_reading``: the full KV's bytes per token come
+    from the worker's pool (through the seam), SGLang's prefetches teach it their speed, the
+    tier's reads theirs."""
     from types import SimpleNamespace
 
     import torch
@@ -60,15 +61,17 @@ def test_fetch_drafter_reads_a_tier_entry_only_when_it_lands_early():
     from sgl_vericache.config import VeriCacheConfig
     from sgl_vericache.mem_cache.compress import get_compressor
     from sgl_vericache.mem_cache.compressed_tier import SpilledEntry, Throughput
-    from sgl_vericache.sglang_adapter import _FetchDrafter
+    from sgl_vericache.sglang.worker import WorkerSeam
+    from sgl_vericache.spec.fetch_drafting import FetchDrafter
 
     bufs = [torch.zeros(16, 3, 64) for _ in range(2)]  # 2 layers, 3 KV heads of 64, fp32
     tier = SimpleNamespace(read_speed=Throughput())
+    seam = SimpleNamespace(model_runner=SimpleNamespace(token_to_kv_pool=SimpleNamespace(k_buffer=bufs,
+                                                                                         v_buffer=bufs)))
+    seam.full_kv_bytes_per_token = lambda: WorkerSeam.full_kv_bytes_per_token(seam)
     worker = SimpleNamespace(store=SimpleNamespace(compressor=get_compressor("kivi4"), num_layers=2), tier=tier,
-                             model_runner=SimpleNamespace(token_to_kv_pool=SimpleNamespace(k_buffer=bufs,
-                                                                                           v_buffer=bufs)),
-                             vc=VeriCacheConfig())
-    drafter = _FetchDrafter(worker)
+                             seam=seam, vc=VeriCacheConfig())
+    drafter = FetchDrafter(worker)
     per_token = 2 * 2 * 3 * 64 * 4
     assert drafter.bytes_per_token() == per_token
     full = 100 * per_token  # the storage holds 100 tokens of the prefix
@@ -93,7 +96,7 @@ def test_throttled_store_reads_at_its_bandwidth(tmp_path):
     import torch
 
     sys.path.insert(0, str(BENCH))
-    from sgl_vericache import cpu_compat
+    from sgl_vericache.cpu import compat as cpu_compat
 
     cpu_compat.install()
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig

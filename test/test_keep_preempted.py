@@ -45,7 +45,8 @@ def hook(monkeypatch):
     from sglang.srt import runtime_context
     from sglang.srt.managers import schedule_batch
 
-    from sgl_vericache import sglang_adapter
+    from sgl_vericache.sglang.runtime import Runtime
+    from sgl_vericache.sglang.scheduler import install_keep_preempted_kv
 
     released = []
     mode = {"value": "null"}
@@ -56,10 +57,11 @@ def hook(monkeypatch):
 
     monkeypatch.setattr(schedule_batch, "release_req", recorder)
     monkeypatch.setattr(runtime_context, "get_disagg", lambda: SimpleNamespace(disaggregation_mode=mode["value"]))
-    monkeypatch.setattr(sglang_adapter, "_PREEMPTED", [0, 0])
-    sglang_adapter._install_keep_preempted_kv()
+    runtime = Runtime()
+    install_keep_preempted_kv(runtime)
     assert schedule_batch.release_req is not recorder
-    return SimpleNamespace(release=schedule_batch.release_req, released=released, mode=mode, adapter=sglang_adapter)
+    return SimpleNamespace(release=schedule_batch.release_req, released=released, mode=mode, runtime=runtime,
+                           install=lambda: install_keep_preempted_kv(runtime))
 
 
 def _release(hook, req, tree, **kw):
@@ -72,7 +74,7 @@ def test_a_retracted_request_is_checkpointed_before_its_release(hook):
     req, tree = FakeReq(), FakeTree()
     _release(hook, req, tree, hisparse_coordinator=None)
     assert tree.checkpoints == [("r", 130)] and req.refreshed
-    assert hook.adapter._PREEMPTED == [1, 30]  # tokens 100..130 newly kept
+    assert (hook.runtime.preempted_requests, hook.runtime.preempted_kept_tokens) == (1, 30)  # tokens 100..130
     assert hook.released[-1]["offload_kv"] is True
 
 
@@ -91,12 +93,12 @@ def test_other_releases_are_left_to_sglang(hook, why, req, tree, kw, mode):
     hook.mode["value"] = mode
     _release(hook, req, tree, **kw)
     assert tree.checkpoints == [], why
-    assert hook.adapter._PREEMPTED == [0, 0], why
+    assert (hook.runtime.preempted_requests, hook.runtime.preempted_kept_tokens) == (0, 0), why
 
 
 def test_installing_twice_wraps_once(hook):
     from sglang.srt.managers import schedule_batch
 
     wrapped = schedule_batch.release_req
-    hook.adapter._install_keep_preempted_kv()
+    hook.install()
     assert schedule_batch.release_req is wrapped

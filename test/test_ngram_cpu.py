@@ -1,5 +1,5 @@
 """End to end: SGLang's own NGRAM speculative decoding on the CPU engine (the sgl_kernel
-ops it calls come from sgl_vericache.cpu_ops) gives token ids identical to the same
+ops it calls come from sgl_vericache.cpu.ops) gives token ids identical to the same
 engine with speculation off. SmolLM2-135M, fp32, greedy, 4 prompts x 64 tokens, one of
 them repetitive so that n-gram drafts get accepted.
 

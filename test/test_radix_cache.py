@@ -16,7 +16,7 @@ POOL = 96
 
 @pytest.fixture(scope="module")
 def parts():
-    from sgl_vericache import cpu_compat
+    from sgl_vericache.cpu import compat as cpu_compat
 
     cpu_compat.install()
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -26,7 +26,7 @@ def parts():
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-    from sgl_vericache.sglang_adapter import CacheIntegrityError, vericache_radix_cache_class
+    from sgl_vericache.sglang.radix import CacheIntegrityError, vericache_radix_cache_class
 
     def make():
         kv = MHATokenToKVPool(POOL, 1, torch.float32, 1, 4, 1, "cpu", False, start_layer=0, end_layer=1)

@@ -15,7 +15,7 @@ from test_tiers import _bits, _pools, _storage_config, cpu_hicache, mooncake_mas
 
 
 def _checked(name, inner):
-    from sgl_vericache.sglang_adapter import checked_storage
+    from sgl_vericache.sglang.storage import checked_storage
 
     return checked_storage(name, inner, _storage_config({}))
 
@@ -106,7 +106,7 @@ class _Unreachable:
 
 def test_unreachable_store_is_a_miss_not_an_error(cpu_hicache, tmp_path):
     from sgl_vericache.mem_cache.tier_integrity import FileDigests, PageVerifier, TierStats
-    from sgl_vericache.sglang_adapter import _checked_storage_class
+    from sgl_vericache.sglang.storage import checked_storage_class as _checked_storage_class
 
     host, slots, pages = _host_pages()
     keys = [f"page-{i}" for i in range(len(pages))]
@@ -191,11 +191,11 @@ def test_compressed_entries_in_a_real_mooncake_store(cpu_hicache, mooncake_maste
     its index record; an object replaced by other bytes, or removed, is a miss."""
     from sgl_vericache.mem_cache.compress import get_compressor
     from sgl_vericache.mem_cache.compressed_tier import CompressedTier
-    from sgl_vericache.sglang_adapter import _blob_store
+    from sgl_vericache.sglang.storage import blob_store as _blob_store
 
     _, _, inner, store = _checked_mooncake(mooncake_master)
     blobs = _blob_store(store)
-    assert type(blobs).__name__ == "_MooncakeBlobs"
+    assert type(blobs).__name__ == "MooncakeBlobs"
     torch.manual_seed(0)
     comp = get_compressor("kivi4", 4.0)
     layers = [comp.compress(torch.randn(70, 2, 8), torch.randn(70, 2, 8)) for _ in range(2)]

@@ -22,12 +22,13 @@ LAYERS, HEADS, HEAD_DIM, DEVICE_TOKENS = 3, 2, 8, 64
 
 @pytest.fixture(scope="module")
 def cpu_hicache():
-    from sgl_vericache import cpu_compat
+    from sgl_vericache.cpu import compat as cpu_compat
 
     cpu_compat.install()
-    from sgl_vericache.sglang_adapter import _install_cpu_hicache
+    from sgl_vericache.sglang.hicache import install_cpu_hicache
+    from sgl_vericache.sglang.runtime import Runtime
 
-    _install_cpu_hicache()
+    install_cpu_hicache(Runtime())
 
 
 def _pools(layout, page_size=1):

@@ -15,7 +15,7 @@ import sys
 from typing import Sequence
 
 # Spawned SGLang processes re-import this module first: keep the CPU compat hook at top.
-from sgl_vericache import cpu_compat
+from sgl_vericache.cpu import compat as cpu_compat
 
 cpu_compat.install()
 
@@ -92,9 +92,9 @@ def build_sglang_argv(argv: Sequence[str]) -> tuple[vc_config.VeriCacheConfig, l
         raise LaunchError(str(exc)) from None
     on_gpu = cuda_available()
     rest = apply_device_defaults(resolve_model_path(list(rest)), on_gpu)
-    from sgl_vericache import sglang_adapter
+    from sgl_vericache.sglang.server import apply_vericache_flags
 
-    rest = sglang_adapter.apply_vericache_flags(vc, rest)
+    rest = apply_vericache_flags(vc, rest)
     return vc, rest
 
 
@@ -126,9 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     vc.to_env()  # reaches every spawned SGLang process
-    from sgl_vericache import sglang_adapter
+    from sgl_vericache.sglang.server import run_http_server
 
-    return sglang_adapter.run_http_server(sglang_argv)
+    return run_http_server(sglang_argv)
 
 
 if __name__ == "__main__":

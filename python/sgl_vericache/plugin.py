@@ -3,6 +3,6 @@ SGLang process, the spawned scheduler included."""
 
 
 def register() -> None:
-    from sgl_vericache import sglang_adapter
+    from sgl_vericache.sglang import register_all
 
-    sglang_adapter.register_all()
+    register_all()

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from sgl_vericache.cpu_linear import WeightCopies
+from sgl_vericache.cpu.linear import WeightCopies
 
 DRAFT_WEIGHT_MODES = ("model", "fp16", "int8")
 _INT8_ENGINES = ("x86", "fbgemm")
@@ -49,7 +49,7 @@ def resolve_mode(mode: str, model_dtype: torch.dtype) -> tuple[str, Optional[int
 
 class DraftWeights:
     """``max_rows``: products with more rows use ``model_linear`` (the engine's own weight
-    product, e.g. ``cpu_linear.PackedLinear.linear``) instead of the copy."""
+    product, e.g. ``cpu.linear.PackedLinear.linear``) instead of the copy."""
 
     def __init__(self, mode: str, max_rows: Optional[int] = None, model_linear: Callable = F.linear):
         if mode not in DRAFT_WEIGHT_MODES:

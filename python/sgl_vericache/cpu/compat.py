@@ -7,7 +7,7 @@ model on a CPU without AMX, SGLang's CPU path calls plain torch ops, so only the
 
 - loads the real ``sgl_kernel`` when it imports (then this module does nothing);
 - otherwise serves a stand-in package: every attribute is an op whose call either runs a
-  pure-torch implementation from ``sgl_vericache.cpu_ops`` or raises ``CpuKernelUnavailable``
+  pure-torch implementation from ``sgl_vericache.cpu.ops`` or raises ``CpuKernelUnavailable``
   naming the op (and the module it was imported from).
 
 The hook is installed by ``install()``: from the ``.pth`` file that scripts/setup.sh
@@ -40,8 +40,8 @@ class CpuKernelUnavailable(NotImplementedError):
 
 
 def implemented_ops() -> dict[str, Callable]:
-    """Name -> pure-torch implementation (``sgl_vericache.cpu_ops``; imports torch)."""
-    from sgl_vericache import cpu_ops
+    """Name -> pure-torch implementation (``sgl_vericache.cpu.ops``; imports torch)."""
+    from sgl_vericache.cpu import ops as cpu_ops
 
     return cpu_ops.OPS
 
@@ -54,7 +54,7 @@ def _missing_op(qualname: str) -> Callable:
         raise CpuKernelUnavailable(
             f"sgl_kernel op {qualname!r} was called, but no usable sgl_kernel is installed "
             f"(the CUDA wheel needs a GPU; SGLang's CPU build is not on PyPI) and "
-            f"sgl_vericache.cpu_ops implements only {sorted(implemented_ops())}. "
+            f"sgl_vericache.cpu.ops implements only {sorted(implemented_ops())}. "
             f"Use --attention-backend torch_native on CPU, or install a real sgl_kernel."
         )
 

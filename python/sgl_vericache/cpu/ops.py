@@ -1,5 +1,5 @@
 """Pure-torch implementations of the ``sgl_kernel`` CPU ops that SGLang's CPU engine calls
-on our code paths (served by ``cpu_compat`` when no usable sgl_kernel is installed).
+on our code paths (served by ``cpu.compat`` when no usable sgl_kernel is installed).
 
 Each op follows the signature and in-place semantics of the op of the same name in
 SGLang's CPU kernel build (``sgl-kernel/csrc/cpu``) and of its Triton/CUDA twin; the
@@ -7,7 +7,7 @@ twin named in each docstring is the reference its semantics were read from. Inde
 tensors are small (batch x draft width), so clarity beats micro-optimisation here; the
 ragged copies are vectorised, the tree walks are short host loops.
 
-The speculative tree ops (verify / build / reconstruct) live in ``cpu_ops_spec``.
+The speculative tree ops (verify / build / reconstruct) live in ``ops_spec``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from sgl_vericache import cpu_ops_spec
+from sgl_vericache.cpu import ops_spec as cpu_ops_spec
 
 # --- model ops (dense Llama) ------------------------------------------------------------
 

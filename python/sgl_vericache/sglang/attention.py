@@ -1,0 +1,191 @@
+"""Attention backends: the draft's over compressed KV, the verify's over the full KV, and
+the CPU engine's extend.
+
+Touches SGLang's ``AttentionBackend`` interface (two backends of ours: the draft passes'
+and a wrapper of the target's that adds TARGET_VERIFY, which ``torch_native`` lacks, and
+captures prompt queries for SnapKV/H2O), ``KVWriteLoc`` / the KV pool's ``set_kv_buffer``
+(verify writes its tokens' KV like any forward), and ``TorchNativeAttnBackend.
+_run_sdpa_forward_extend`` (the CPU engine's extend, patched for every engine).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sgl_vericache.sglang.runtime import Runtime, patch
+from sgl_vericache.spec.round import MAX_CAPTURED_QUERIES
+
+
+def make_draft_backend(model_runner, store):
+    """Decode-only attention over the compressed entries of ``store``; never writes the pool."""
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    class DraftAttentionBackend(AttentionBackend):
+        def __init__(self):
+            super().__init__()
+            self.req_to_token_pool = model_runner.req_to_token_pool
+            self.token_to_kv_pool = model_runner.token_to_kv_pool
+            self.device = model_runner.device
+            self.tokens_of_one = False  # True: the rows are consecutive tokens of one request (attend_tokens)
+
+        def init_forward_metadata(self, forward_batch):
+            pass
+
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+            attend = store.attend_tokens if self.tokens_of_one else store.attend
+            out = attend(
+                layer.layer_id,
+                q.reshape(-1, hq, d),  # [bs, H_q, D], row b = the store's round row b
+                k.reshape(-1, hkv, d),
+                v.reshape(-1, hkv, layer.v_head_dim),
+                layer.scaling,
+            )
+            return out.reshape(-1, hq * layer.v_head_dim)
+
+        def forward_extend(self, *args, **kwargs):
+            raise RuntimeError("VeriCache draft attention runs decode steps only")
+
+    return DraftAttentionBackend()
+
+
+def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = False):
+    """The target's attention backend plus a TARGET_VERIFY path: each request's draft
+    queries attend over its full verified KV (all visible) and the draft block under the
+    verify mask (a linear chain for VERICACHE: causal). Computed in fp32 per request."""
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    inner = model_runner.attn_backend
+
+    class VerifyBackend(AttentionBackend):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+            self.req_to_token_pool = model_runner.req_to_token_pool
+            self.token_to_kv_pool = model_runner.token_to_kv_pool
+            self.capture = None  # rid -> {layer_id: queries}, set per extend batch
+            self.capture_rids = None
+            self.deterministic = deterministic
+            self.skip_rows = ()  # rows deferred this round (staggered verifies): no attention
+            self.runtime = runtime  # its parking: verify waits for parked KV per layer
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def init_forward_metadata(self, forward_batch):
+            self.inner.init_forward_metadata(forward_batch)
+
+        def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            if not forward_batch.forward_mode.is_target_verify():
+                if self.capture is not None and forward_batch.forward_mode.is_extend():
+                    capture_queries(self, q, layer, forward_batch)
+                return self.inner.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            if save_kv_cache:
+                self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+            return verify_attention(self, q, layer, forward_batch)
+
+    return VerifyBackend()
+
+
+def verify_attention(backend, q, layer, forward_batch):
+    hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+    parking = backend.runtime.parking
+    if parking is not None:
+        parking.wait_layer(layer.layer_id)  # parked full KV copied back for this layer
+    bs = forward_batch.batch_size
+    q = q.reshape(bs, -1, hq, d)  # [bs, n, H_q, D]
+    n = q.shape[1]
+    k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    seq_lens = forward_batch.seq_lens.tolist()
+    rows = forward_batch.req_pool_indices.tolist()
+    tree = verify_tree_mask(forward_batch, bs, n, q.device)  # [bs, n, n]
+    out = q.new_empty((bs, n, hq, dv))
+    for b in range(bs):
+        if b in backend.skip_rows:  # its full KV stays parked; its logits are not used
+            out[b] = 0
+            continue
+        prefix = seq_lens[b]
+        slots = req_to_token[rows[b], : prefix + n].to(torch.int64)
+        keys, values = k_cache[slots], v_cache[slots]  # [prefix + n, H_kv, D]
+        if backend.deterministic:
+            out[b] = decode_shaped_rows(q[b], keys, values, prefix, layer.scaling, hq != keys.shape[1])
+            continue
+        visible = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=q.device), tree[b]], dim=1)
+        o = F.scaled_dot_product_attention(
+            q[b].transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
+            attn_mask=visible, scale=layer.scaling, enable_gqa=hq != keys.shape[1],
+        )  # [H_q, n, Dv]
+        out[b] = o.transpose(0, 1).to(out.dtype)
+    return out.reshape(bs * n, hq * dv)
+
+
+def decode_shaped_rows(q, keys, values, prefix, scale, gqa):
+    """Deterministic mode: verify row j computed exactly as SGLang's torch_native decode
+    computes a one-token step at that position (same call, shapes and strides), so its
+    output is bit-equal to decode's. Valid for a linear chain (row j sees the prefix and
+    rows 0..j). q: [n, H_q, D]; keys/values: [prefix + n, H_kv, D]."""
+    rows = []
+    for j in range(q.shape[0]):
+        end = prefix + j + 1
+        o = F.scaled_dot_product_attention(
+            q[j : j + 1].movedim(0, 1).unsqueeze(0),  # [1, H_q, 1, D]
+            keys[:end].movedim(0, 1).unsqueeze(0),
+            values[:end].movedim(0, 1).unsqueeze(0),
+            attn_mask=None, enable_gqa=gqa, scale=scale, is_causal=False,
+        )
+        rows.append(o.squeeze(0).movedim(1, 0))  # [1, H_q, Dv]
+    return torch.cat(rows)
+
+
+def verify_tree_mask(forward_batch, bs, n, device):
+    mask = getattr(forward_batch.spec_info, "custom_mask", None)
+    if mask is None or mask.numel() != bs * n * n:
+        return torch.tril(torch.ones(n, n, dtype=torch.bool, device=device)).expand(bs, n, n)
+    return mask.reshape(bs, n, n).to(torch.bool)
+
+
+def capture_queries(backend, q, layer, forward_batch):
+    """Keep the trailing prompt queries of each request in an extend batch."""
+    q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)  # [tokens, H_q, D]
+    lens = forward_batch.extend_seq_lens_cpu
+    lens = lens.tolist() if hasattr(lens, "tolist") else list(lens)
+    start = 0
+    for rid, n in zip(backend.capture_rids, lens):
+        per_layer = backend.capture.setdefault(rid, {})
+        prev = per_layer.get(layer.layer_id)
+        new = q[start : start + n].detach().clone()
+        joined = new if prev is None else torch.cat([prev, new])
+        per_layer[layer.layer_id] = joined[-MAX_CAPTURED_QUERIES:]
+        start += n
+
+
+def install_cpu_extend_attention(runtime: Runtime) -> None:
+    """``torch_native`` extends (prefills) compute only the new tokens' rows
+    (``cpu.attention.extend_attention``) instead of a causal attention over prefix + new
+    rows of which the prefix rows are thrown away. Every engine that loads the plugin gets
+    it, speculation on or off. Encoder, cross-attention and sliding-window layers keep
+    SGLang's code."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from sgl_vericache.cpu.attention import extend_attention
+
+    def make(original):
+        def run_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                       extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
+                       causal=False, is_cross_attn=False, sliding_window_size=None):
+            if encoder_lens is not None or is_cross_attn or (sliding_window_size is not None
+                                                             and sliding_window_size > -1):
+                return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
+                                is_cross_attn, sliding_window_size)
+            return extend_attention(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                    extend_prefix_lens, extend_seq_lens, scaling=scaling, enable_gqa=enable_gqa,
+                                    causal=causal)
+
+        return run_extend
+
+    patch(TorchNativeAttnBackend, "_run_sdpa_forward_extend", runtime, make)

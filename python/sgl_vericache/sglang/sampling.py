@@ -1,0 +1,183 @@
+"""Sampling: seeded draws on SGLang's pytorch sampler, and acceptance for VERICACHE
+batches that sample.
+
+Touches ``SamplingBatchInfo.from_schedule_batch`` (every request gets a seed on the
+pytorch backend), ``layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch`` (a seeded
+row's draw depends on its own row only), ``Sampler._sample_from_probs`` (called, to draw as
+SGLang draws) and ``speculative.ngram_worker.eagle_sample`` (NGRAM's verify acceptance,
+which on CPU always commits argmax; a VERICACHE batch that samples is accepted by
+``spec.sampled_round.SampledRound`` instead).
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+import torch
+
+from sgl_vericache.sglang.runtime import Runtime, patch
+from sgl_vericache.spec.accept import filter_probs
+from sgl_vericache.spec.sampled_round import SampledRound, repeat_rows
+
+
+def install_seeded_sampling(runtime: Runtime) -> None:
+    """Make ``sampling_seed`` work with SGLang's pytorch sampling backend.
+
+    SGLang draws position-keyed samples (a hash of seed, position and token id turned into
+    Gumbel noise) only under ``--enable-deterministic-inference``, which refuses the CPU
+    attention backend. Here every batch sampled by the pytorch backend carries a seed per
+    request: the request's ``sampling_seed``, or a random seed drawn once per request. The
+    draw for output position i then depends only on (seed, i) and the distribution, with
+    speculation on or off, which is what lets VeriCache's seeded mode be token-identical.
+    Requests without a seed are still sampled at random (their seed is random)."""
+    from sglang.srt.runtime_context import get_exec
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    def make(original):
+        def from_schedule_batch(cls, batch, vocab_size):
+            info = original(cls, batch, vocab_size)
+            if info.sampling_seed is None and get_exec().kernel.sampling_backend == "pytorch":
+                seeds = []
+                for req in batch.reqs:
+                    seed = req.sampling_params.sampling_seed
+                    if seed is None:
+                        seed = getattr(req, "_vericache_seed", None)
+                        if seed is None:
+                            seed = req._vericache_seed = random.getrandbits(62)
+                    seeds.append(seed)
+                info.sampling_seed = torch.tensor(seeds, dtype=torch.int64, device=info.temperatures.device)
+            return info
+
+        return from_schedule_batch
+
+    patch(SamplingBatchInfo, "from_schedule_batch", runtime, make)
+    install_seeded_per_row_sampling(runtime)
+
+
+def install_seeded_per_row_sampling(runtime: Runtime) -> None:
+    """Seeded top-k/top-p/min-p sampling whose draw depends only on the request's own row.
+
+    SGLang's seeded torch sampler keys its Gumbel noise on the token id when no request in
+    the batch filters, but on the *rank* in the sorted distribution when any request does;
+    the same seeded request then draws different tokens depending on its batch-mates (and
+    it refuses min-p). Here a seeded filtering batch zeroes each row's filtered-out tokens
+    (``spec.accept.filter_probs``: a row without filters is left untouched) and draws with
+    SGLang's own unfiltered seeded sampler, keyed on (seed, position, token id): the same
+    distribution, and a row's draw no longer depends on the other rows."""
+    from sglang.srt.layers import sampler as sampler_mod
+
+    def make(original):
+        def sample(probs, top_ks, top_ps, min_ps, need_min_p_sampling, sampling_seed, positions, **kwargs):
+            if sampling_seed is None:
+                return original(probs, top_ks, top_ps, min_ps, need_min_p_sampling, sampling_seed, positions,
+                                **kwargs)
+            min_ps = min_ps if need_min_p_sampling else 0.0
+            if kwargs.get("return_filtered_probs"):  # SGLang's own path (sampling-mask capture), min-p applied first
+                kept = filter_probs(probs, -1, 1.0, min_ps)
+                return original(kept, top_ks, top_ps, min_ps, False, sampling_seed, positions, **kwargs)
+            kept = filter_probs(probs, top_ks, top_ps, min_ps)
+            return sampler_mod.sampling_from_probs_torch(kept, sampling_seed, positions)
+
+        sample.__wrapped__ = original
+        return sample
+
+    patch(sampler_mod, "top_k_top_p_min_p_sampling_from_probs_torch", runtime, make)
+
+
+def install_verify_sampler(runtime: Runtime) -> None:
+    """NGRAM's verify calls ``eagle_sample``, which on CPU always commits argmax. For a
+    VERICACHE batch that samples, acceptance goes to the worker's ``SampledRound`` instead;
+    everything else (greedy batches, other algorithms) keeps SGLang's function. Rows
+    deferred this round (staggered verifies) accept nothing."""
+    from sglang.srt.speculative import ngram_worker
+
+    def make(original):
+        def eagle_sample(verify_input, batch, logits_output, grammar_mask=None, *args, **kwargs):
+            worker = eagle_sample.runtime.active_worker
+            sampled = None if worker is None else worker.speculator.sampled
+            if sampled is None or batch.sampling_info.is_all_greedy:
+                out = original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
+            else:
+                out = sampled_verify(sampled, worker.speculator.deferred, verify_input, batch, logits_output,
+                                     grammar_mask)
+            if worker is not None and worker.speculator.deferred:
+                _, accept_lens, accept_index = out
+                rows = torch.tensor(worker.speculator.deferred, dtype=torch.int64, device=accept_lens.device)
+                accept_lens[rows] = 0
+                accept_index[rows] = -1
+            return out
+
+        return eagle_sample
+
+    patch(ngram_worker, "eagle_sample", runtime, make)
+
+
+def engine_draw(sampler, logits, params, repeat, positions):
+    """The tokens SGLang's own sampler would draw from ``logits`` (one row per position;
+    each request's parameters repeated ``repeat`` times), through its own code: temperature,
+    softmax, then its pytorch-backend top-k/top-p/min-p sampling with the batch's seeds
+    at ``positions``. Equal logits give equal tokens to a non-speculative decode step."""
+    from sglang.srt.layers import sampler as sampler_mod
+
+    x = logits.clone()
+    x.div_(repeat_rows(params.temperatures, repeat))
+    probs = torch.softmax(x, dim=-1) if sampler.enable_deterministic else sampler_mod.sampler_softmax(x)
+    rows = types.SimpleNamespace(
+        sampling_mask_batch_indices=None,
+        sampling_seed=repeat_rows(params.sampling_seed, repeat),
+        top_ks=repeat_rows(params.top_ks, repeat),
+        top_ps=repeat_rows(params.top_ps, repeat),
+        min_ps=repeat_rows(params.min_ps, repeat),
+        need_min_p_sampling=params.need_min_p_sampling,
+        max_top_k=getattr(params, "max_top_k", None),
+    )
+    simple = not (params.need_top_p_sampling or params.need_top_k_sampling or params.need_min_p_sampling)
+    tokens, _ = sampler._sample_from_probs(probs, rows, positions, simple)
+    return tokens.to(torch.int64)
+
+
+def make_sampled_round(sampler, batch, rows, rng) -> SampledRound:
+    """The drafting state of a round of ``batch`` (a ScheduleBatch that samples) whose rows
+    ``rows`` draft."""
+    seeded = [req.sampling_params.sampling_seed is not None for req in batch.reqs]
+    draw = lambda *args: engine_draw(sampler, *args)  # noqa: E731
+    return SampledRound(batch.sampling_info, seeded, rows, draw, rng)
+
+
+def sampled_verify(sampled: SampledRound, deferred, verify_input, batch, logits_output, grammar_mask):
+    """Acceptance for a VERICACHE verify pass over a sampling batch; returns what SGLang's
+    ``eagle_sample`` returns: (predict [bs*n] int32, accept_lens [bs] int32 incl. the bonus,
+    accept_index [bs, n] int32 rows into the verify pass, -1 past the accepted ones)."""
+    info = batch.sampling_info
+    bs, n = len(batch.reqs), verify_input.draft_token_num
+    logits = logits_output.next_token_logits
+    # The same relaxed penalties and logit bias SGLang's verify applies, and the grammar.
+    if info.acc_additive_penalties is not None:
+        logits.add_(torch.repeat_interleave(info.acc_additive_penalties, n, dim=0))
+    if info.acc_scaling_penalties is not None:
+        from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+        apply_scaling_penalties(logits, torch.repeat_interleave(info.acc_scaling_penalties, n, dim=0))
+    if info.logit_bias is not None:
+        logits.add_(torch.repeat_interleave(info.logit_bias, n, dim=0))
+    if grammar_mask is not None:
+        grammar_mask.apply(logits)
+
+    candidates = verify_input.draft_token.reshape(bs, n).to(torch.int64).cpu()
+    positions = verify_input.positions.reshape(bs, n).to(torch.int64)
+    num_acc, tokens = sampled.accept(candidates, logits.reshape(bs, n, -1), positions, skip=deferred)
+
+    skipped = set(deferred)
+    predict = torch.zeros(bs * n, dtype=torch.int32)
+    accept_index = torch.full((bs, n), -1, dtype=torch.int32)
+    for b in range(bs):
+        if b in skipped:  # eagle_sample's wrapper gives it accept length 0
+            continue
+        k = int(num_acc[b])
+        rows = torch.arange(b * n, b * n + k + 1)
+        accept_index[b, : k + 1] = rows.to(torch.int32)
+        predict[rows] = tokens[b, : k + 1].to(torch.int32)
+    accept_lens = (num_acc + 1).to(torch.int32)
+    device = logits.device
+    return predict.to(device), accept_lens.to(device), accept_index.to(device)

@@ -1,0 +1,78 @@
+"""Launching SGLang's HTTP server with VeriCache: our config turned into SGLang flags.
+
+Touches ``sglang.launch_server.run_server`` and ``server_args.prepare_server_args`` (the
+server), ``sglang.srt.plugins.load_plugins`` (so this process runs ``register_all`` too).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sgl_vericache.config import VeriCacheConfig
+
+SPEC_ALGORITHM = "VERICACHE"
+RADIX_BACKEND = "vericache"
+
+
+def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
+    """Translate our config into SGLang flags (the speculative algorithm and its width)."""
+    if not vc.enable:
+        return argv
+    for flag in ("--speculative-algorithm", "--speculative-num-draft-tokens"):
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            raise ValueError(
+                f"{flag} is set by VeriCache (use --vericache-draft-len); pass --no-vericache-enable "
+                "to use another speculative algorithm"
+            )
+    extra = []
+    if vc.full_device_budget >= 0:
+        extra = _parking_flags(argv)
+    return argv + extra + [
+        "--speculative-algorithm", SPEC_ALGORITHM,
+        "--speculative-num-draft-tokens", str(vc.draft_len + 1),
+        "--speculative-ngram-max-bfs-breadth", "1",
+        "--disable-overlap-schedule",
+    ]
+
+
+def flag_value(argv: list[str], flag: str):
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def check_parking_args(backend, page_size) -> None:
+    """--vericache-full-device-budget parks through the `vericache` radix backend's release
+    hooks and rewrites one-token slots: refuse other backends and pages."""
+    if backend != RADIX_BACKEND:
+        raise ValueError(f"--vericache-full-device-budget needs --radix-cache-backend {RADIX_BACKEND}, "
+                         f"not {backend!r}")
+    if str(page_size) != "1":
+        raise ValueError(f"--vericache-full-device-budget needs --page-size 1, not {page_size!r}")
+
+
+def _parking_flags(argv: list[str]) -> list[str]:
+    """The flags a server with a full-KV device budget needs (the radix backend, if unset)."""
+    backend = flag_value(argv, "--radix-cache-backend")
+    check_parking_args(backend or RADIX_BACKEND, flag_value(argv, "--page-size") or 1)
+    return [] if backend else ["--radix-cache-backend", RADIX_BACKEND]
+
+
+def run_http_server(argv: list[str]) -> int:
+    """Start SGLang's HTTP server with ``argv`` (SGLang flags only)."""
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(None, include_parent=False)
+    return 0

@@ -1,0 +1,266 @@
+"""The ``VERICACHE`` speculative algorithm and its worker.
+
+Touches the speculative-algorithm registry (``SpeculativeAlgorithm.register``,
+``CustomSpecAlgo``) and ``NGRAMWorker``, whose shape VERICACHE shares (no draft model, no
+draft KV, a linear chain verified by the target): SGLang's NGRAM scheduling, verify pass,
+acceptance and KV move run unchanged, and the worker replaces NGRAM's corpus lookup
+(``_prepare_draft_tokens``) with a VeriCache round (``spec.round.Speculator``). Also
+NGRAM's verify buffers, kept per verify width (a round verifies as many tokens as its
+longest draft needs), and the model runner's pools, read through ``WorkerSeam``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sgl_vericache.config import VeriCacheConfig
+from sgl_vericache.sglang import attention, forward, radix, sampling, storage
+from sgl_vericache.sglang.linear import build_draft_weights
+from sgl_vericache.sglang.runtime import Runtime
+from sgl_vericache.sglang.server import SPEC_ALGORITHM, check_parking_args
+from sgl_vericache.spec.round import RoundBatch, Speculator
+from sgl_vericache.spec.stats import Stats
+
+
+def install_spec_algorithm(runtime: Runtime) -> None:
+    """``--speculative-algorithm VERICACHE``, whose worker is built for ``runtime``."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
+
+    if get_spec(SPEC_ALGORITHM) is not None:
+        return
+
+    class VeriCacheSpecAlgo(CustomSpecAlgo):
+        # SGLang dispatches NGRAM's scheduling, relay and verify-input branches on
+        # is_ngram(); VERICACHE has the same shape (no draft model, no draft KV,
+        # linear chain verified by the target), so it takes those branches.
+        def is_ngram(self) -> bool:
+            return True
+
+        def has_draft_kv(self) -> bool:
+            return False
+
+        # Called on every algorithm but missing from CustomSpecAlgo in 0.5.23.
+        def carries_draft_hidden_states(self) -> bool:
+            return False
+
+        def need_topk(self) -> bool:
+            return False
+
+        def get_platform_worker_cls(self):
+            return None
+
+        def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens=True,
+                              needs_confidence_relay=False):
+            from sglang.srt.managers.overlap_utils import FutureMap
+
+            return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+
+        def handle_server_args(self, server_args) -> None:
+            from sglang.srt.arg_groups.speculative_hook import _handle_ngram
+
+            _handle_ngram(server_args)
+
+    worker_class = []  # built on first use: it subclasses SGLang's NGRAMWorker
+
+    def factory(server_args):
+        if not worker_class:
+            worker_class.append(make_worker_class(runtime))
+        return worker_class[0]
+
+    SpeculativeAlgorithm.register(SPEC_ALGORITHM, spec_class=VeriCacheSpecAlgo, supports_overlap=False)(factory)
+
+
+class NoCorpus:
+    """Stands in for NGRAM's n-gram corpus; departing requests release their entries."""
+
+    def __init__(self, on_departed):
+        self._on_departed = on_departed
+
+    def synchronize(self):
+        pass
+
+    def reset(self):
+        pass
+
+    def batch_put(self, *_):
+        pass
+
+    def erase_match_state(self, rids):
+        self._on_departed(rids)
+
+
+class WorkerSeam:
+    """What the round needs that only SGLang can do, for one worker (see ``spec.round``)."""
+
+    def __init__(self, worker, runtime: Runtime, draft_weights):
+        self.worker = worker
+        self.runtime = runtime
+        self.model_runner = worker.model_runner
+        self.device = worker.device
+        self.num_layers = self.model_runner.model_config.num_hidden_layers
+        self.passes = forward.DraftPasses(self.model_runner, runtime, draft_weights)
+
+    def read_kv(self, pool_row: int):
+        """``read_kv(layer, start, end)`` over one request-to-token row of the full pool."""
+        pool = self.model_runner.token_to_kv_pool
+        slots_row = self.model_runner.req_to_token_pool.req_to_token[pool_row]
+
+        def read_kv(layer_id, start, end):
+            slots = slots_row[start:end].to(torch.int64)
+            return pool.get_key_buffer(layer_id)[slots], pool.get_value_buffer(layer_id)[slots]
+
+        return read_kv
+
+    def abort(self, req, message: str) -> None:
+        """End ``req`` with a 400 naming what was wrong; the rest of the batch goes on."""
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        req.to_finish = FINISH_ABORT(message, 400, "BadRequestError")
+
+    def sampled_round(self, batch, rows, rng):
+        return sampling.make_sampled_round(self.model_runner.sampler, batch, rows, rng)
+
+    def build_parking(self, reserve_limit: int):
+        return radix.build_parking(self.runtime, self.model_runner, reserve_limit)
+
+    def storage_blobs(self):
+        return storage.storage_blobs(self.runtime)
+
+    def model_key(self) -> tuple:
+        """The model, as a compressed entry in a shared storage tier must name it."""
+        cfg = self.model_runner.model_config
+        return (getattr(cfg, "model_path", ""), str(cfg.dtype), cfg.num_hidden_layers,
+                cfg.get_total_num_kv_heads() if hasattr(cfg, "get_total_num_kv_heads") else None,
+                getattr(cfg, "head_dim", None))
+
+    def full_kv_bytes_per_token(self) -> int:
+        """Bytes of full KV per token (every layer's keys and values); 0 if the pool has no
+        per-layer buffers to measure."""
+        pool = self.model_runner.token_to_kv_pool
+        bufs = list(getattr(pool, "k_buffer", ()) or ()) + list(getattr(pool, "v_buffer", ()) or ())
+        return sum(b[0].numel() * b.element_size() for b in bufs if b.dim() > 0 and len(b))
+
+
+def make_worker_class(runtime: Runtime):
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.runtime_context import get_device, get_memory, get_observability, get_schedule, get_spec
+    from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+
+    class VeriCacheWorker(NGRAMWorker):
+        def __init__(self, server_args, gpu_id, nccl_port, target_worker, **_):
+            BaseSpecWorker.__init__(self)
+            self.server_args = server_args
+            self.enable_overlap = not get_schedule().disable_overlap_schedule
+            self._target_worker = target_worker
+            self.model_runner = target_worker.model_runner
+            self.page_size = get_schedule().page_size
+            self.draft_token_num = get_spec().speculative_num_draft_tokens
+            self.speculative_num_draft_tokens = self.draft_token_num
+            self.max_trie_depth = 1
+            self.topk = 1
+            self.speculative_num_steps = self.draft_token_num
+            self.device = get_device().device
+            self.adaptive_controller = None
+            self._prev_decode_rids = set()
+            self.grammar_tree_host = None
+            self.cuda_graphs = not getattr(server_args, "disable_cuda_graph", True)
+            self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
+            self.runtime = runtime
+            draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
+            self.seam = WorkerSeam(self, runtime, draft_weights)
+            rng = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
+            self.speculator = Speculator(self.vc, self.seam, Stats(get_observability().enable_metrics), rng)
+            self.ngram_corpus = NoCorpus(self.speculator.release_departed)
+            self.verify_backend = None
+            if self.vc.full_device_budget >= 0:
+                check_parking_args(get_memory().radix_cache_backend, self.page_size)
+            runtime.workers.add(self)
+
+        def check_integrity(self):
+            self.speculator.check_integrity(radix.CacheIntegrityError)
+
+        def alloc_memory_pool(self, **kwargs):
+            super().alloc_memory_pool(**kwargs)
+            # NGRAM sizes its verify buffers for one fixed width; keep one set per width
+            # so that a round verifies only as many tokens as its longest draft needs.
+            self.max_width = self.draft_token_num
+            before = dict(vars(self))
+            self._init_preallocated_tensors()
+            names = [k for k, v in vars(self).items() if before.get(k) is not v]
+            self._width_buffers = {self.max_width: {k: getattr(self, k) for k in names}}
+
+        def _set_width(self, width):
+            """Verify ``width`` tokens per request this round (root + drafts)."""
+            buffers = self._width_buffers.get(width)
+            if buffers is None:
+                names = list(self._width_buffers[self.max_width])
+                self.draft_token_num = width
+                self._init_preallocated_tensors()
+                buffers = self._width_buffers[width] = {k: getattr(self, k) for k in names}
+            for name, value in buffers.items():
+                setattr(self, name, value)
+            self.draft_token_num = self.speculative_num_draft_tokens = width
+
+        def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+            self.speculator.attach_tier()
+            is_round = batch.forward_mode.is_decode()
+            width = self.speculator.round_width(batch.reqs, self.max_width) if is_round else self.max_width
+            self._set_width(width)
+            try:
+                result = self._forward(batch, on_publish, pp_proxy_tensors)
+            finally:
+                self._set_width(self.max_width)
+            if width != self.max_width and result.next_draft_input is not None:
+                forward.widen_draft_input(result.next_draft_input, len(batch.reqs), width, self.max_width)
+            return result
+
+        def _forward(self, batch, on_publish, pp_proxy_tensors):
+            # SGLang's CPU attention (torch_native) has no TARGET_VERIFY path: run the
+            # whole iteration with a backend that adds one and delegates the rest.
+            if self.verify_backend is None:
+                self.verify_backend = attention.make_verify_backend(self.model_runner, runtime, self.vc.deterministic)
+            spec = self.speculator
+            capture = batch.forward_mode.is_extend() and spec.needs_queries(batch.reqs)
+            self.verify_backend.capture = spec.queries if capture else None
+            self.verify_backend.capture_rids = [req.rid for req in batch.reqs] if capture else None
+            is_round = batch.forward_mode.is_decode()
+            runtime.active_worker = self
+            t0 = time.perf_counter()
+            try:
+                with forward_context(ForwardContext(attn_backend=self.verify_backend)):
+                    result = super().forward_batch_generation(batch, on_publish, pp_proxy_tensors)
+            finally:
+                runtime.active_worker = None
+                deferred = spec.close_round()
+                self.verify_backend.skip_rows = ()
+            lens = result.accept_lens.tolist() if is_round and result.accept_lens is not None else None
+            spec.count_round(batch.reqs, lens, deferred, time.perf_counter() - t0, runtime.load_seconds)
+            return result
+
+        def clear_cache_pool(self):
+            self.speculator.clear()
+            self._prev_decode_rids = set()
+
+        def _update_ngram_corpus(self, batch):
+            pass
+
+        def _prepare_draft_tokens(self, batch):
+            # NGRAM reports requests that left the decode batch after this round's verify;
+            # file theirs now, so that a request extending one (the next turn) finds it.
+            departed = self._prev_decode_rids - {req.rid for req in batch.reqs}
+            if departed:
+                self.speculator.release_departed(departed)
+            round_batch = RoundBatch(
+                reqs=batch.reqs, verified=batch.seq_lens_cpu.tolist(), pool_rows=batch.req_pool_indices.tolist(),
+                own_kv_start=[req.kv.cache_protected_len for req in batch.reqs],
+                greedy=batch.sampling_info.is_all_greedy, verify_all=bool(batch.return_logprob or batch.has_grammar),
+                source=batch)
+            drafts = self.speculator.draft_round(round_batch, self.draft_token_num)
+            self.verify_backend.skip_rows = frozenset(self.speculator.deferred)
+            return drafts.tokens, drafts.mask
+
+    return VeriCacheWorker

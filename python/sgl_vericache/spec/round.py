@@ -1,0 +1,400 @@
+"""The VeriCache round, top to bottom (no SGLang imports).
+
+Each decode iteration of a batch is one round per request:
+
+1. **plan**: each request's compressor and draft length (the server's, or its own
+   ``custom_params``); a bad override aborts that request alone;
+2. **sync**: each request's compressed entry is brought up to its verified length (a new
+   request starts from a cached compressed prefix when one matches and compresses the rest);
+3. **stagger** (``--vericache-full-device-budget``): which rows verify this round; the
+   others' full KV is parked in host memory and the verifying rows' parked KV starts
+   streaming back layer by layer;
+4. **draft**: ``steps`` forward passes of the target model whose attention reads the
+   compressed entries (greedy argmax, or a ``SampledRound``'s draws); rows whose drafts were
+   made while their prefix was fetched take those instead;
+5. **verify, accept, commit**: SGLang's verify pass over the full KV, its acceptance (ours
+   for sampled batches: ``SampledRound.accept``) and its KV move; the seam then calls
+   ``close_round`` and ``count_round`` with what was accepted.
+
+Departed requests file their compressed entry in the prefix cache for the requests (the next
+turn of a conversation) that extend their tokens.
+
+The ``Speculator`` owns VeriCache's per-worker state. Everything only SGLang can do goes
+through ``seam`` (``sgl_vericache.sglang.worker.WorkerSeam``): reading a row of the full KV,
+running draft forward passes, aborting a request, the storage tier's blob store, the
+parking of full KV. Requests are SGLang's ``Req`` objects; this module reads ``rid``,
+``origin_input_ids``, ``output_ids``, ``cached_tokens`` and ``sampling_params.custom_params``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+
+from sgl_vericache.config import VeriCacheConfig, request_config
+from sgl_vericache.cpu.linear import weights_generation
+from sgl_vericache.mem_cache.compress import KVCompressor
+from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
+from sgl_vericache.spec.drafter import CompressedKVStore
+from sgl_vericache.spec.fetch_drafting import FetchDrafter
+from sgl_vericache.spec.stats import Stats
+
+logger = logging.getLogger(__name__)
+
+# Prompt queries kept per request and layer for query-aware compressors (SnapKV votes
+# with the last window_size of them; H2O accumulates attention over all it is given).
+MAX_CAPTURED_QUERIES = 512
+
+
+class Plan(NamedTuple):
+    compressor: KVCompressor
+    draft_len: int
+    error: Optional[str] = None  # a bad override: the request was aborted
+
+
+@dataclass
+class RoundBatch:
+    """One decode iteration's batch, as the round sees it (built by the seam)."""
+
+    reqs: list  # SGLang's requests, one per row
+    verified: list[int]  # per row: tokens whose KV is committed (the draft's first position)
+    pool_rows: list[int]  # per row: the request's row of the request-to-token table
+    own_kv_start: list[int]  # per row: where the request's own KV starts (a prefix the tree held is shared)
+    greedy: bool  # every row decodes greedily
+    verify_all: bool  # logprobs or a grammar: SGLang's bookkeeping expects a token from every row
+    source: Any = None  # SGLang's batch, handed back to the seam for the draft passes
+
+
+class RoundDrafts(NamedTuple):
+    tokens: np.ndarray  # [bs * width] root + drafts of each row, the verify pass's input
+    mask: np.ndarray  # [bs * width * width] the verify mask: a causal chain per row
+    width: int
+
+
+def pad_drafts(drafts: np.ndarray, draft_lens: list[int], width: int) -> np.ndarray:
+    """[bs, steps] drafts -> [bs, width]: a request's tokens past its own draft length
+    repeat its last real draft token. Padding is verified like any draft token, so it
+    can never change the output; it only fills the round's verify width (the batch's
+    longest draft + 1)."""
+    out = np.empty((drafts.shape[0], width), dtype=np.int64)
+    for i, draft_len in enumerate(draft_lens):
+        out[i, :draft_len] = drafts[i, :draft_len]
+        out[i, draft_len:] = drafts[i, draft_len - 1]
+    return out
+
+
+def kv_tokens(req, n: int) -> list[int]:
+    """The first ``n`` tokens of a request whose KV is in the cache (prompt, then output)."""
+    tokens = list(req.origin_input_ids[:n])
+    if len(tokens) < n:
+        tokens += list(req.output_ids[: n - len(tokens)])
+    return tokens
+
+
+def last_token(req) -> int:
+    return int(req.output_ids[-1]) if len(req.output_ids) else int(req.origin_input_ids[-1])
+
+
+def layer_queries(captured: Optional[dict], num_layers: int) -> Optional[list]:
+    """Captured prompt queries ``{layer_id: [W, H_q, D]}`` -> one entry per layer (None: none)."""
+    if captured is None:
+        return None
+    return [captured.get(layer_id) for layer_id in range(num_layers)]
+
+
+def verifying_rows(budget: int, own_kv: Sequence[int], waited: Sequence[int]) -> list[bool]:
+    """Staggered verifies under a full-KV device budget: which rows verify this round.
+    Requests that waited longest go first; one verifies when its own full KV fits in what
+    is left of the budget, and the first always does, so every round makes progress and no
+    request starves. ``budget`` < 0: every row verifies."""
+    if budget < 0:
+        return [True] * len(own_kv)
+    order = sorted(range(len(own_kv)), key=lambda i: -waited[i])
+    left, chosen = budget, [False] * len(own_kv)
+    for k, i in enumerate(order):
+        if k == 0 or own_kv[i] <= left:
+            chosen[i] = True
+            left = max(0, left - own_kv[i])
+    return chosen
+
+
+class Speculator:
+    """VeriCache's state and steps for one worker."""
+
+    def __init__(self, vc: VeriCacheConfig, seam, stats: Stats, rng: torch.Generator):
+        self.vc = vc
+        self.seam = seam
+        self.stats = stats
+        self.rng = rng  # rejection sampling's draws
+        self.store = CompressedKVStore(vc.build_compressor(), seam.num_layers)
+        self.prefix_cache = CompressedPrefixCache(vc.compressed_cache_mb << 20) if vc.compressed_cache_mb > 0 else None
+        self.reqs = {}  # rid -> Req, to file its compressed entry by token ids when it departs
+        self.weights_gen = weights_generation()
+        self.plans = {}  # rid -> Plan
+        self.queries = {}  # rid -> per-layer last prompt queries, until compressed
+        self.compressors = {}  # (method, ratio, options) -> compressor (shared, stateless)
+        self.waited = {}  # rid -> rounds in a row it drafted without verifying (staggered verifies)
+        self.deferred = ()  # batch rows that draft but do not verify this round
+        self.queued_rows = ()  # batch rows whose drafts this round were made while they waited
+        self.sampled = None  # this round's SampledRound, when its batch samples
+        self.parking = None  # FullKVParking, built at the first round when a budget is set
+        self.fetch_drafter = None  # drafting while SGLang fetches a waiting request's prefix
+        if vc.fetch_draft_tokens > 0 and self.prefix_cache is not None:
+            self.fetch_drafter = FetchDrafter(self)
+        self.tier = None  # CompressedTier: evicted compressed entries in the storage tier
+        # attached at the first forward or fetch-draft poll (SGLang's tree exists by then)
+        self._tier_pending = self.fetch_drafter is not None
+
+    # -- per request ---------------------------------------------------------------------
+
+    def plan(self, req) -> Plan:
+        """The request's compressor and draft length; a bad override aborts it with a 400."""
+        plan = self.plans.get(req.rid)
+        if plan is None:
+            try:
+                cfg = request_config(req.sampling_params.custom_params, self.vc)
+                key = (cfg.compressor, cfg.ratio, cfg.compressor_options)
+                if key not in self.compressors:
+                    self.compressors[key] = cfg.build_compressor()
+                plan = Plan(self.compressors[key], cfg.draft_len)
+            except ValueError as exc:
+                self.seam.abort(req, str(exc))
+                plan = Plan(self.store.compressor, 1, str(exc))
+            self.plans[req.rid] = plan
+        return plan
+
+    def needs_queries(self, reqs) -> bool:
+        """Whether a prefill of ``reqs`` should keep its last prompt queries (SnapKV, H2O)."""
+        return any(self.plan(req).compressor.needs_queries for req in reqs)
+
+    def release_departed(self, rids) -> None:
+        for rid in rids:
+            self._file_prefix(rid)
+            self.store.release(rid)
+            self.plans.pop(rid, None)
+            self.queries.pop(rid, None)
+            self.waited.pop(rid, None)
+            if self.fetch_drafter is not None:
+                self.fetch_drafter.queue.drop(rid)
+
+    def _file_prefix(self, rid) -> None:
+        """Keep a departing request's compressed entry for requests that extend its tokens."""
+        req = self.reqs.pop(rid, None)
+        have = self.store.entry(rid)
+        if self.prefix_cache is None or req is None or have is None or self.weights_changed():
+            return
+        compressor, layers, n = have
+        self.prefix_cache.insert(kv_tokens(req, n), compressor, layers)
+        self.stats.prefix_cache(self.prefix_cache)
+
+    def weights_changed(self) -> bool:
+        """Weights updated in place since the entries were made: they are stale."""
+        if self.weights_gen == weights_generation():
+            return False
+        self.weights_gen = weights_generation()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return True
+
+    def clear(self) -> None:
+        self.store.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.reqs.clear()
+        if self.fetch_drafter is not None:
+            self.fetch_drafter.clear()
+
+    # -- the round -----------------------------------------------------------------------
+
+    def round_width(self, reqs, max_width: int) -> int:
+        """Tokens each request verifies this round: root + the batch's longest draft."""
+        return min(max_width, 1 + max(self.plan(req).draft_len for req in reqs))
+
+    def draft_round(self, batch: RoundBatch, width: int) -> RoundDrafts:
+        """Steps 1-4 for one decode iteration: every row's root and drafts, padded to ``width``."""
+        bs = len(batch.reqs)
+        plans = [self.plan(req) for req in batch.reqs]
+        self._sync_store(batch, plans)
+        verifying = self._verifying_rows(batch)
+        if self.vc.full_device_budget >= 0:
+            self._stage_full_kv(batch, verifying)
+        self.deferred = tuple(i for i, v in enumerate(verifying) if not v)
+        roots = [last_token(req) for req in batch.reqs]
+        steps = max(plan.draft_len for plan in plans)
+        queued = self._queued_drafts(batch, plans, verifying)
+        t0 = time.perf_counter()
+        drafts = self._draft(batch, roots, steps, queued)  # [bs, steps]
+        self.stats.drafted(time.perf_counter() - t0, sum(p.draft_len for p, v in zip(plans, verifying) if v))
+        drafts = pad_drafts(drafts, [plan.draft_len for plan in plans], width - 1)
+        tokens = np.concatenate([np.asarray(roots, dtype=np.int64)[:, None], drafts], axis=1)
+        chain = np.tril(np.ones((width, width), dtype=bool))
+        mask = np.broadcast_to(chain, (bs, width, width)).reshape(-1).copy()
+        return RoundDrafts(tokens.reshape(-1), mask, width)
+
+    def close_round(self) -> set:
+        """After the iteration's forward, whatever happened: the round's transient state
+        goes. Returns the rows that were deferred."""
+        deferred, self.deferred = set(self.deferred), ()
+        self.sampled = None
+        if self.parking is not None:
+            self.parking.finish()
+        return deferred
+
+    def count_round(self, reqs, accept_lens: Optional[list], deferred: set, seconds: float,
+                    load_seconds: float) -> None:
+        """Step 5's bookkeeping, after SGLang's verify: ``accept_lens`` per row (bonus
+        included; None for a forward that was no round), ``seconds`` the iteration took,
+        ``load_seconds`` the process's running total of HiCache load time."""
+        if accept_lens is not None:
+            self.stats.verified(seconds, [n for i, n in enumerate(accept_lens) if i not in deferred])
+            self.stats.add("deferred_rows", len(deferred))
+            for i, req in enumerate(reqs):
+                self.waited[req.rid] = self.waited.get(req.rid, 0) + 1 if i in deferred else 0
+            self.stats.add("fetch_draft_accepted", sum(accept_lens[i] - 1 for i in self.queued_rows))
+        self.queued_rows = ()
+        self.stats.end_iteration(load_seconds)
+        if self.tier is not None:
+            self.stats.tier(self.tier)
+
+    def _sync_store(self, batch: RoundBatch, plans: list[Plan]) -> None:
+        for i, req in enumerate(batch.reqs):
+            read_kv = self.seam.read_kv(batch.pool_rows[i])
+            queries = None
+            if req.rid not in self.store:
+                queries = layer_queries(self.queries.pop(req.rid, None), self.store.num_layers)
+                self._seed_from_prefix(req, batch.verified[i], plans[i].compressor, read_kv)
+            self.store.sync(req.rid, batch.verified[i], read_kv, compressor=plans[i].compressor, queries=queries)
+
+    def _seed_from_prefix(self, req, verified: int, compressor, read_kv) -> None:
+        """A new request whose verified tokens start with a cached prefix takes its
+        compressed entry; sync() then compresses only the rest. Where SGLang's radix
+        tree gave the request a longer shared prefix (a system prompt other requests
+        also start with), the entry is first brought to that prefix and filed there,
+        so later requests sharing it start from it (not for methods that choose keys
+        from the prompt's last queries: a prefix has no queries of its own here)."""
+        self.reqs[req.rid] = req
+        if self.prefix_cache is None:
+            return
+        self.weights_changed()
+        tokens = kv_tokens(req, verified)
+        n, layers = self.prefix_cache.match(tokens, compressor)
+        if n:
+            self.store.seed(req.rid, compressor, layers, n)
+        shared = min(getattr(req, "cached_tokens", 0) or 0, verified)
+        if shared > n and not compressor.needs_queries:
+            self.store.sync(req.rid, shared, read_kv, compressor=compressor)
+            self.prefix_cache.insert(tokens[:shared], compressor, self.store.entry(req.rid)[1])
+        self.stats.prefix_cache(self.prefix_cache)
+
+    def _verifying_rows(self, batch: RoundBatch) -> list[bool]:
+        """Which rows verify this round (``verifying_rows``); with logprobs or a grammar, all."""
+        if batch.verify_all:
+            return [True] * len(batch.reqs)
+        own = [n - start for n, start in zip(batch.verified, batch.own_kv_start)]
+        waited = [self.waited.get(req.rid, 0) for req in batch.reqs]
+        return verifying_rows(self.vc.full_device_budget, own, waited)
+
+    def _stage_full_kv(self, batch: RoundBatch, verifying: list[bool]) -> None:
+        """At a round's start (compressed entries already synced): park the own full KV
+        of rows that do not verify this round, give the parked rows that do their slots
+        back and start copying their KV in, layer by layer, while the drafts run;
+        verify waits per layer."""
+        if self.parking is None:
+            self.parking = self.seam.build_parking(self.vc.full_device_budget)
+        parking = self.parking
+        for i, req in enumerate(batch.reqs):
+            if not verifying[i] and not parking.is_parked(req.rid):
+                parking.park(req.rid, batch.pool_rows[i], batch.own_kv_start[i], batch.verified[i])
+        parking.start_loads({req.rid: batch.pool_rows[i] for i, req in enumerate(batch.reqs) if verifying[i]})
+        self.stats.parking(parking.stats)
+
+    def _queued_drafts(self, batch: RoundBatch, plans: list[Plan], verifying: list[bool]) -> dict:
+        """Rows (verifying this round, in an all-greedy batch) whose drafts were made
+        ahead while their prefix was fetched: row -> its drafts for this round."""
+        if self.fetch_drafter is None or not len(self.fetch_drafter.queue) or not batch.greedy:
+            return {}
+        queued = {}
+        for i, req in enumerate(batch.reqs):
+            if verifying[i] and req.rid in self.fetch_drafter.queue:
+                tokens = self.fetch_drafter.queue.take(req.rid, req.output_ids, plans[i].draft_len)
+                if tokens:
+                    queued[i] = tokens
+        self.stats.add("fetch_draft_rounds", len(queued))
+        self.queued_rows = tuple(queued)
+        return queued
+
+    def _draft(self, batch: RoundBatch, roots: list[int], steps: int, queued: dict) -> np.ndarray:
+        """[bs, steps] drafts. Rows deferred this round draft nothing (their roots stand
+        in); rows with drafts made ahead (queued) take those; the rest draft ``steps``
+        tokens, one forward pass over the compressed entries per step."""
+        bs = len(batch.reqs)
+        deferred = set(self.deferred)
+        keep = [i for i in range(bs) if i not in deferred and i not in queued]
+        drafts = np.repeat(np.asarray(roots, dtype=np.int64)[:, None], steps, axis=1)
+        for i, tokens in queued.items():
+            drafts[i, :len(tokens)] = tokens
+            drafts[i, len(tokens):] = tokens[-1]
+        if not keep:
+            return drafts
+        self.store.begin_round([batch.reqs[i].rid for i in keep], steps)
+        passes = self.seam.passes
+        draft_batch = passes.for_rows(batch.source, keep)
+        self.sampled = None if batch.greedy else self.seam.sampled_round(batch.source, keep, self.rng)
+        device = self.seam.device
+        tokens = torch.tensor([roots[i] for i in keep], dtype=torch.int64, device=device)
+        positions = torch.tensor([batch.verified[i] for i in keep], dtype=torch.int64, device=device)
+        out = torch.empty((len(keep), steps), dtype=torch.int64)
+        with passes.run(draft_batch, self.store) as forward:
+            for step in range(steps):
+                logits = forward(tokens, positions + step)  # [rows, V]
+                tokens = torch.argmax(logits, dim=-1) if self.sampled is None else \
+                    self.sampled.draw(logits, positions + step)
+                out[:, step] = tokens.cpu()
+        drafts[keep] = out.numpy()
+        return drafts
+
+    # -- the storage tier behind the compressed prefix cache -----------------------------
+
+    def attach_tier(self) -> None:
+        """The storage tier behind the compressed prefix cache, once SGLang's tree exists:
+        evicted entries go there, for drafting while a request's full prefix streams in
+        from the same tier."""
+        if not self._tier_pending:
+            return
+        self._tier_pending = False
+        from sgl_vericache.mem_cache.compressed_tier import CompressedTier
+
+        blobs = self.seam.storage_blobs()
+        if blobs is None:
+            return
+        self.tier = CompressedTier(blobs)
+
+        def spill(tokens, key, layers):  # entries of other weights never come back: the key says which
+            return self.tier.spill(tokens, self.tier_key(key), layers)
+
+        self.prefix_cache.spill = spill
+        logger.info("VeriCache: compressed entries evicted from the prefix cache go to the storage tier (%s)",
+                    type(blobs).__name__)
+
+    def tier_key(self, compressor) -> tuple:
+        """What names a compressed entry in the storage tier besides its tokens: the compressor,
+        the weights' generation and the model (the tier outlives this process, and other engines
+        may share it), so an entry is only ever read back by a drafter that made the same kind."""
+        return compressor, self.weights_gen, self.seam.model_key()
+
+    # -- integrity -----------------------------------------------------------------------
+
+    def check_integrity(self, integrity_error=AssertionError) -> None:
+        """The compressed side: every request's entry and the prefix cache's tree."""
+        self.store.check_integrity()
+        if self.parking is not None:
+            self.parking.check_integrity()
+            if self.parking.parked:
+                raise integrity_error(f"{len(self.parking.parked)} parked requests at an idle point")
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()

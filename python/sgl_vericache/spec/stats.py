@@ -1,0 +1,149 @@
+"""Server-level VeriCache counters and gauges (no SGLang imports).
+
+With ``--enable-metrics`` they are Prometheus counters on SGLang's ``/metrics``
+(``vericache:*``); they are always kept as plain totals too, which ``/server_info``
+reports (``internal_states[0]["vericache"]``).
+"""
+
+from __future__ import annotations
+
+
+class Stats:
+    """Counters (``NAMES``) and gauges (``GAUGES``), named as on ``/metrics`` less the
+    ``vericache:`` prefix."""
+
+    NAMES = {
+        "rounds": "Verify rounds (one per request per iteration that verified it)",
+        "deferred_rows": "Request-iterations that drafted but did not verify: staggered verifies kept their "
+                         "full KV parked (--vericache-full-device-budget)",
+        "verify_rows_skipped": "Deferred rows left out of a greedy round's verify forward (no projections, "
+                               "MLP or LM head for them)",
+        "drafted_tokens": "Draft tokens proposed to verify (each request's own draft length)",
+        "accepted_tokens": "Draft tokens accepted by verify",
+        "emitted_tokens": "Tokens emitted by verify rounds (accepted + bonus)",
+        "draft_seconds": "Wall time spent drafting over compressed KV",
+        "verify_seconds": "Wall time of verify passes incl. acceptance and KV commit",
+        "full_kv_load_seconds": "Seconds spent loading full KV from the host tier before a forward "
+                                "(CPU device pool: the forward waits for all of it)",
+        "full_kv_parked_tokens": "Tokens of running requests' full KV parked in host memory at a round's start "
+                                 "(--vericache-full-device-budget)",
+        "full_kv_loaded_tokens": "Parked tokens copied back to the device for a verify",
+        "full_kv_bytes_to_host": "Bytes of full KV parked in host memory",
+        "full_kv_bytes_to_device": "Bytes of parked full KV copied back to the device",
+        "full_kv_wait_seconds": "Seconds verify waited for parked full KV still being copied back",
+        "full_kv_parks": "Requests parked at a round's start because they do not verify in it",
+        "full_kv_parks_in_host_pool": "Requests parked in HiCache's host KV pool (the rest: in tensors of "
+                                      "VeriCache's own, when there is no host pool or it is full)",
+        "full_kv_copy_seconds": "Seconds the background copies of parked full KV back to the device took "
+                                "(on CUDA: queueing on the side stream only)",
+        "fetch_draft_requests": "Waiting requests that drafted while their prefix streamed in from a storage tier "
+                                "(--vericache-fetch-draft-tokens)",
+        "fetch_draft_steps": "Draft forward steps run for waiting requests (prompt tokens teacher-forced + drafts)",
+        "fetch_draft_seconds": "Wall time of those steps (the scheduler would otherwise poll the prefetch idle)",
+        "fetch_draft_tokens": "Drafts made while waiting and queued for the request's first rounds",
+        "fetch_draft_rounds": "Verify rounds whose drafts were made while the request waited for its prefix",
+        "fetch_draft_accepted": "Queued drafts (made while waiting) accepted by verify",
+        "compressed_prefix_lookups": "New requests looked up in the compressed prefix cache",
+        "compressed_prefix_hits": "New requests that started from a cached compressed prefix entry",
+        "compressed_prefix_hit_tokens": "Verified tokens whose compressed KV came from the prefix cache",
+        "compressed_prefix_inserted": "Compressed entries filed in the prefix cache",
+        "compressed_prefix_evicted": "Compressed entries evicted from the prefix cache (LRU, byte budget)",
+        "fetch_draft_tier_entries": "Waiting requests whose compressed entry was read back from the storage tier",
+        "fetch_draft_tier_skipped": "Waiting requests whose compressed entry was in the storage tier but not read: "
+                                    "expected to arrive too late to draft from (--vericache-fetch-draft-tier-fraction)",
+        "fetch_draft_tier_lookups": "Waiting requests that looked their prefix up in the storage tier's index of "
+                                    "compressed entries (no entry known in this process)",
+        "fetch_draft_tier_index_entries": "Waiting requests that drafted from an entry found through that index",
+        "compressed_tier_index_records": "Index records written beside compressed entries (found by any process)",
+        "compressed_tier_index_failures": "Index records the storage tier refused or failed to write",
+        "compressed_tier_index_lookups": "Lookups of a prefix in the storage tier's index",
+        "compressed_tier_index_probes": "Index records asked for by those lookups",
+        "compressed_tier_index_hits": "Lookups that read back an entry",
+        "compressed_tier_index_skipped": "Lookups that found an entry but did not read it: expected too late "
+                                         "(--vericache-fetch-draft-tier-fraction)",
+        "compressed_tier_spilled_entries": "Compressed entries evicted from the prefix cache and written to the "
+                                           "storage tier",
+        "compressed_tier_spilled_bytes": "Bytes of those entries as stored (encoded, with their digest)",
+        "compressed_tier_spill_failures": "Compressed entries the storage tier refused or failed to write",
+        "compressed_tier_spills_dropped": "Evicted entries dropped, not written: too many bytes already waiting",
+        "compressed_tier_fetches": "Compressed entries read back from the storage tier",
+        "compressed_tier_fetched_bytes": "Bytes read back",
+        "compressed_tier_fetch_seconds": "Seconds those reads took (on the tier's reader thread)",
+        "compressed_tier_fetch_misses": "Reads the tier had no entry for (evicted there)",
+        "compressed_tier_fetch_corrupt": "Reads whose bytes failed the entry's digest (a miss)",
+        "compressed_tier_fetches_from_memory": "Reads answered before the entry's write had finished (no I/O)",
+    }
+    GAUGES = {
+        "compressed_prefix_bytes": "Bytes of compressed KV held by the prefix cache",
+        "compressed_prefix_entries": "Entries held by the prefix cache",
+        "compressed_prefix_spilled": "Entries the prefix cache knows to be in the storage tier (stubs)",
+    }
+
+    def __init__(self, enable_metrics: bool):
+        self.totals = {name: 0.0 for name in self.NAMES}
+        self.gauges = {name: 0.0 for name in self.GAUGES}
+        self._prom = {}
+        if enable_metrics:
+            from prometheus_client import Counter, Gauge
+
+            for name, doc in self.NAMES.items():
+                self._prom[name] = Counter(f"vericache:{name}", doc)
+            for name, doc in self.GAUGES.items():
+                self._prom[name] = Gauge(f"vericache:{name}", doc)
+        self._pending_draft = 0.0
+
+    def add(self, name, value):
+        self.totals[name] += value
+        if name in self._prom and value:
+            self._prom[name].inc(value)
+
+    def drafted(self, seconds, tokens):
+        self._pending_draft = seconds
+        self.add("draft_seconds", seconds)
+        self.add("drafted_tokens", tokens)
+
+    def verified(self, seconds, accept_lens):
+        lens = [int(x) for x in accept_lens]
+        self.add("verify_seconds", max(seconds - self._pending_draft, 0.0))
+        self.add("rounds", len(lens))
+        self.add("emitted_tokens", sum(lens))
+        self.add("accepted_tokens", sum(lens) - len(lens))
+        self._pending_draft = 0.0
+
+    def end_iteration(self, full_kv_load_seconds: float):
+        """``full_kv_load_seconds``: the process's running total of HiCache's load time."""
+        self._pending_draft = 0.0
+        self.add("full_kv_load_seconds", full_kv_load_seconds - self.totals["full_kv_load_seconds"])
+
+    def parking(self, stats):
+        """Bring the ``full_kv_*`` counters up to a ``FullKVParking``'s own totals."""
+        for name, total in (("full_kv_parked_tokens", stats.parked_tokens),
+                            ("full_kv_loaded_tokens", stats.loaded_tokens),
+                            ("full_kv_bytes_to_host", stats.bytes_to_host),
+                            ("full_kv_bytes_to_device", stats.bytes_to_device),
+                            ("full_kv_wait_seconds", stats.wait_seconds),
+                            ("full_kv_copy_seconds", stats.load_seconds),
+                            ("full_kv_parks", stats.parks), ("full_kv_parks_in_host_pool", stats.parks_in_host_pool)):
+            self.add(name, total - self.totals[name])
+
+    def snapshot(self) -> dict:
+        """Every counter's total and every gauge's value (``/server_info``)."""
+        return {**self.totals, **self.gauges}
+
+    def tier(self, tier):
+        """Bring the ``compressed_tier_*`` counters up to the storage tier's own totals."""
+        for name, total in tier.snapshot().items():
+            self.add("compressed_tier_" + name, total - self.totals["compressed_tier_" + name])
+
+    def prefix_cache(self, cache):
+        """Bring the prefix-cache counters up to the cache's own totals."""
+        for name, total in (("compressed_prefix_lookups", cache.lookups), ("compressed_prefix_hits", cache.hits),
+                            ("compressed_prefix_hit_tokens", cache.hit_tokens),
+                            ("compressed_prefix_inserted", cache.inserted),
+                            ("compressed_prefix_evicted", cache.evicted)):
+            self.add(name, total - self.totals[name])
+        for name, value in (("compressed_prefix_bytes", cache.nbytes), ("compressed_prefix_entries", cache.num_entries),
+                            ("compressed_prefix_spilled", cache.num_spilled)):
+            self.gauges[name] = value
+            if name in self._prom:
+                self._prom[name].set(value)

@@ -1,0 +1,276 @@
+"""The draft attention kernels against their torch twins, as a plain script (no pytest needed,
+so the bare GPU machine runs it too):
+
+    TRITON_INTERPRET=1 python test/kernel_checks.py --device cpu      # CI, Triton's interpreter
+    python test/kernel_checks.py --device cuda                        # compiled, on a GPU
+    python test/kernel_checks.py --device cpu --only kivi4 quest      # cases whose name has a word
+
+The twin of each kernel is the compressor's own ``attend`` (fp32 attention over
+``materialize``, per request, with the causal provisional KV); test_kernels.py runs this
+file in a subprocess because TRITON_INTERPRET must be set before anything imports triton.
+Every case prints one line (max abs error, tolerance, seconds); exit status 1 if any fails.
+
+Tolerances (max |kernel - reference| <= atol + rtol * |reference|): fp32 queries 1e-4 / 1e-4
+(the same products, summed in another order); bf16 2e-2 / 2e-2 and fp16 4e-3 / 4e-3 (the
+output's own rounding is 4e-3 / 5e-4, and the kernel's P @ V rounds probabilities to the
+entry dtype on a GPU; the interpreter rounds bf16 by truncation, a further ulp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from sgl_vericache.kernels import ops  # noqa: E402
+from sgl_vericache.kernels.packing import pack, paged_pool  # noqa: E402
+from sgl_vericache.mem_cache.compress import causal_attention, get_compressor  # noqa: E402
+
+TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+SMALL = ops.LaunchConfig(block_n=16)  # small blocks: short entries still span several
+
+
+@dataclass(frozen=True)
+class Shape:
+    lengths: tuple[int, ...]  # verified tokens per request (ragged)
+    kv_heads: int = 2
+    group: int = 3  # query heads per KV head
+    head_dim: int = 64
+    dtype: torch.dtype = torch.float32  # KV (entry) and query dtype
+    q_dtype: torch.dtype | None = None  # None: as dtype
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    run: Callable[[torch.device], float]  # returns the max abs error it checked; raises on failure
+    interpret: bool = True  # small enough for the interpreter
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _kv(tokens, shape: Shape, seed: int):
+    g = _gen(seed)
+    k = torch.randn(tokens, shape.kv_heads, shape.head_dim, generator=g) * 1.5 + 0.3
+    v = torch.randn(tokens, shape.kv_heads, shape.head_dim, generator=g)
+    return k.to(shape.dtype), v.to(shape.dtype)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, label: str) -> float:
+    atol, rtol = TOL[dtype]
+    got, ref = got.float().cpu(), ref.float().cpu()
+    assert got.shape == ref.shape, (label, got.shape, ref.shape)
+    err = (got - ref).abs()
+    bad = err > atol + rtol * ref.abs()
+    if bool(bad.any()) or not bool(torch.isfinite(got).all()):
+        where = tuple(int(i) for i in bad.nonzero()[0]) if bad.any() else "non-finite"
+        raise AssertionError(f"{label}: max abs error {float(err.max()):.3g} (atol {atol}, rtol {rtol}) at {where}")
+    return float(err.max())
+
+
+def _entries(method, options, shape: Shape, device, seed=0):
+    """(compressor, one entry per request): compress most of each prompt, append the rest
+    (the drafter's path), on ``device``."""
+    comp = get_compressor(method, 4.0, **options)
+    layers = []
+    for i, n in enumerate(shape.lengths):
+        k, v = _kv(n, shape, seed + i)
+        queries = torch.randn(min(n, 8), shape.kv_heads * shape.group, shape.head_dim, generator=_gen(seed + 50 + i))
+        head = max(0, n - 3)
+        layer = comp.compress(k[:head].to(device), v[:head].to(device),
+                              queries[: min(head, 8)].to(shape.dtype).to(device) if comp.needs_queries else None)
+        layers.append(comp.append(layer, k[head:].to(device), v[head:].to(device)))
+    return comp, layers
+
+
+def check_method(method: str, options: dict, shape: Shape, config: ops.LaunchConfig, device,
+                 extras: int = 4, seed: int = 0) -> float:
+    """A ragged batch, one query row per request; row r sees its first 1 + r % extras
+    provisional tokens. Each row against its compressor's attend."""
+    comp, layers = _entries(method, options, shape, device, seed)
+    rows_n, hq, d = len(layers), shape.kv_heads * shape.group, shape.head_dim
+    q_dtype = shape.q_dtype or shape.dtype
+    q = torch.randn(rows_n, hq, d, generator=_gen(seed + 100)).to(q_dtype).to(device)
+    k_ext, v_ext = (torch.randn(rows_n, extras, shape.kv_heads, d, generator=_gen(seed + s)).to(shape.dtype).to(device)
+                    for s in (200, 201))
+    ext_base = [r % extras for r in range(rows_n)]
+    packed = pack(comp, layers)
+    rows = packed.rows(ext_base=ext_base)
+    scale = 1 / math.sqrt(d)
+    out = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config)
+    ref = torch.cat([comp.attend(layers[r], q[r : r + 1], scale, k_ext[r, : ext_base[r] + 1],
+                                 v_ext[r, : ext_base[r] + 1]) for r in range(rows_n)])
+    return _close(out, ref, q_dtype, f"{method} {options} {shape}")
+
+
+def check_tokens(method: str, options: dict, shape: Shape, device, steps: int = 5) -> float:
+    """Teacher forcing (the store's attend_tokens): S rows of ONE entry, row i sees extras
+    [:i + 1], against one causal attend over all S queries."""
+    comp, layers = _entries(method, options, shape, device)
+    hq, d = shape.kv_heads * shape.group, shape.head_dim
+    q = torch.randn(steps, hq, d, generator=_gen(7)).to(shape.dtype).to(device)
+    k_ext, v_ext = (torch.randn(1, steps, shape.kv_heads, d, generator=_gen(s)).to(shape.dtype).to(device)
+                    for s in (8, 9))
+    packed = pack(comp, layers[:1])
+    rows = packed.rows(row_entry=[0] * steps, ext_row=[0] * steps, ext_base=list(range(steps)))
+    out = ops.decode_attention(packed, q, 0.125, rows, k_ext, v_ext, ext_add=1, config=SMALL)
+    ref = comp.attend(layers[0], q, 0.125, k_ext[0], v_ext[0])
+    return _close(out, ref, shape.dtype, f"{method} teacher-forced")
+
+
+def check_quest_selection(shape: Shape, device, page_size: int = 8) -> float:
+    """Quest's page bounds and choice equal the torch path's; then attention over them."""
+    comp, layers = _entries("quest", {"page_size": page_size}, shape, device)
+    hq, d = shape.kv_heads * shape.group, shape.head_dim
+    q = torch.randn(len(layers), hq, d, generator=_gen(11)).to(shape.dtype).to(device)
+    packed = pack(comp, layers)
+    rows = packed.rows()
+    scores = ops.page_scores(packed, q, rows)
+    err = 0.0
+    for r, layer in enumerate(layers):
+        ref = comp.page_scores(layer, q[r : r + 1])[0]  # [H_q, P]
+        err = max(err, _close(scores[r, :, : ref.shape[1]], ref, torch.float32, f"quest bounds row {r}"))
+        assert bool(torch.isinf(scores[r, :, ref.shape[1]:]).all()), "pages past a row's entry must score -inf"
+        chosen = ops.select_pages(scores[r : r + 1], comp.pages_read(layer.num_tokens))[0].long()
+        tokens = torch.zeros(hq, layer.num_tokens, dtype=torch.bool, device=device)
+        for h in range(hq):
+            for page in chosen[h].tolist():
+                tokens[h, page * page_size : (page + 1) * page_size] = True
+        want = comp.selected_tokens(layer, q[r : r + 1])[:, 0]
+        assert torch.equal(tokens, want), f"quest row {r}: chosen pages differ from the torch path"
+    return err
+
+
+def check_paged_pool(shape: Shape, device) -> float:
+    """The full-KV baseline: a Triton decode over SGLang's layout (a pool of token slots and
+    a token table), scattered slots, against SDPA over each request's gathered K/V."""
+    total = sum(shape.lengths)
+    slots = torch.randperm(total + 17, generator=_gen(3))[:total].to(device)
+    k_pool, v_pool = (t.to(device) for t in _kv(total + 17, shape, 4))
+    packed = paged_pool(k_pool, v_pool, slots.to(torch.int32), shape.lengths)
+    hq = shape.kv_heads * shape.group
+    q = torch.randn(len(shape.lengths), hq, shape.head_dim, generator=_gen(5)).to(shape.dtype).to(device)
+    out = ops.decode_attention(packed, q, 0.1, packed.rows(), config=SMALL)
+    refs, start = [], 0
+    for r, n in enumerate(shape.lengths):
+        idx = slots[start : start + n]
+        refs.append(causal_attention(q[r : r + 1], k_pool[idx], v_pool[idx], 0.1))
+        start += n
+    return _close(out, torch.cat(refs), shape.dtype, "paged full-KV pool")
+
+
+def check_empty_and_lse(device) -> float:
+    """A row with no keys at all returns zeros (as causal_attention does); the log-sum-exp
+    output (for merging with another kernel's state) equals torch's."""
+    shape = Shape((0, 21), kv_heads=1, group=2)
+    comp, layers = _entries("int8", {}, shape, device)
+    layers[0] = None  # a request with no verified KV yet
+    q = torch.randn(2, 2, 64, generator=_gen(12)).to(device)
+    packed = pack(comp, layers)
+    out, lse = ops.decode_attention(packed, q, 0.125, packed.rows(), config=SMALL, return_lse=True)
+    assert bool((out[0] == 0).all()) and bool(torch.isinf(lse[0]).all()), "an empty row must give zeros, lse -inf"
+    k, v, _ = comp.materialize(layers[1])
+    logits = torch.einsum("hd,nhd->hn", q[1].float(), k.float().repeat_interleave(2, 1)) * 0.125
+    err = _close(lse[1], torch.logsumexp(logits, -1), torch.float32, "lse")
+    return max(err, _close(out[1:], comp.attend(layers[1], q[1:], 0.125), torch.float32, "int8 row"))
+
+
+# ---------------------------------------------------------------- the case list
+
+KIVI = {"group_size": 8, "residual_length": 8}
+
+
+def _method_cases() -> list[Case]:
+    f32, b16, f16 = torch.float32, torch.bfloat16, torch.float16
+    grid = [  # (method, options, shape, splits)
+        ("kivi4", KIVI, Shape((37, 70, 5)), 1),
+        ("kivi4", KIVI, Shape((37, 70, 5), group=8, kv_heads=1, head_dim=128), 2),
+        ("kivi2", KIVI, Shape((45, 19, 64), group=1), 2),
+        ("kivi2", {"group_size": 32, "residual_length": 16}, Shape((100, 49), head_dim=128, dtype=b16), 1),
+        ("kivi4", {"group_size": 16, "residual_length": 0}, Shape((64, 32)), 2),  # empty residual window
+        ("kivi4", {"group_size": 16, "residual_length": 128}, Shape((60, 9)), 1),  # all in the window
+        ("kivi4", KIVI, Shape((37, 70, 5), dtype=f16), 2),
+        ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1), 2),
+        ("int8", {}, Shape((50, 17), dtype=b16), 1),
+        ("fp8", {"scale": "head"}, Shape((29, 66), group=1), 2),
+        ("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1),
+        ("streamingllm", {"min_budget": 8}, Shape((90, 23, 7)), 2),
+        ("snapkv", {"window_size": 4, "min_budget": 8}, Shape((90, 41), group=8, kv_heads=1), 1),
+        ("h2o", {"min_budget": 8}, Shape((77, 30), dtype=b16), 2),
+        ("full", {}, Shape((19, 40), group=1, head_dim=128), 2),
+        ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
+        ("quest", {"page_size": 16, "min_budget": 16}, Shape((70, 130), group=8, kv_heads=1, dtype=b16), 1),
+        ("int8", {}, Shape((40, 12), q_dtype=f32, dtype=b16), 1),  # fp32 queries over a bf16 entry
+    ]
+    cases = []
+    for method, options, shape, splits in grid:
+        cfg = ops.LaunchConfig(num_splits=splits, block_n=16)
+        label = (f"{method}{'-' + str(options.get('scale')) if method == 'fp8' else ''} T={list(shape.lengths)} "
+                 f"gqa={shape.group} d={shape.head_dim} {str(shape.dtype)[6:]}"
+                 f"{' q=' + str(shape.q_dtype)[6:] if shape.q_dtype else ''} splits={splits}")
+        if method.startswith("kivi"):
+            label += f" G={options['group_size']} R={options['residual_length']}"
+        cases.append(Case(label, lambda dev, a=(method, options, shape, cfg): check_method(*a, dev), tags=(method,)))
+    return cases
+
+
+def all_cases() -> list[Case]:
+    cases = _method_cases()
+    cases += [Case(f"{m} teacher-forced rows", lambda dev, m=m, o=o: check_tokens(m, o, Shape((50,)), dev),
+                   tags=(m, "tokens")) for m, o in (("kivi4", KIVI), ("snapkv", {"window_size": 4, "min_budget": 8}))]
+    cases.append(Case("quest page bounds and choice", lambda dev: check_quest_selection(Shape((83, 30)), dev),
+                      tags=("quest",)))
+    cases.append(Case("paged full-KV pool", lambda dev: check_paged_pool(Shape((45, 70, 3)), dev), tags=("full",)))
+    cases.append(Case("empty row and lse", check_empty_and_lse, tags=("int8",)))
+    cases.append(Case("default launch sizes, 4k tokens", lambda dev: check_method(
+        "kivi4", {}, Shape((4000, 1500), kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16),
+        ops.LaunchConfig(), dev), interpret=False, tags=("kivi4", "large")))
+    return cases
+
+
+def run(device: str, only: list[str] | None = None) -> int:
+    dev = torch.device(device)
+    interpreted = ops.interpreting()
+    failures = 0
+    start = time.perf_counter()
+    for case in all_cases():
+        if only and not any(w in case.name or w in case.tags for w in only):
+            continue
+        if interpreted and not case.interpret:
+            print(f"SKIP  {case.name} (too large for the interpreter)")
+            continue
+        t0 = time.perf_counter()
+        try:
+            err = case.run(dev)
+            print(f"ok    {case.name}: max abs error {err:.2e} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        except Exception as exc:  # report every case, then fail
+            failures += 1
+            print(f"FAIL  {case.name}: {type(exc).__name__}: {exc}", flush=True)
+    print(f"{failures} failed, {time.perf_counter() - start:.1f} s, device {device}, "
+          f"{'interpreter' if interpreted else 'compiled'}")
+    return 1 if failures else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--only", nargs="*", help="run the cases whose name or tag contains one of these words")
+    args = ap.parse_args()
+    if args.device == "cpu" and not ops.interpreting():
+        ap.error("on CPU the kernels run under Triton's interpreter: set TRITON_INTERPRET=1")
+    sys.exit(run(args.device, args.only))
+
+
+if __name__ == "__main__":
+    main()
