@@ -186,6 +186,55 @@ def check_empty_and_lse(device) -> float:
     return max(err, _close(out[1:], comp.attend(layers[1], q[1:], 0.125), torch.float32, "int8 row"))
 
 
+def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32) -> float:
+    """CompressedKVStore on the kernels (draft_kernels=True, what CUDA gets by default) against
+    the same store on its dense torch path: requests of different lengths and compressors
+    drafted together over rounds that grow them, then a teacher-forced round."""
+    shape = Shape((0,), kv_heads=2, group=3, dtype=dtype)
+    from sgl_vericache.spec.drafter import CompressedKVStore
+
+    lengths = [70, 23, 41][: len(methods)]
+    kv = [_kv(200, shape, 300 + i) for i in range(len(methods))]
+    kv = [(k.to(device), v.to(device)) for k, v in kv]
+    prompt_q = torch.randn(8, 6, 64, generator=_gen(31)).to(dtype).to(device)
+    comps = [get_compressor(m, 4.0, **({"page_size": 8} if m == "quest" else {}),
+                            **({"group_size": 8, "residual_length": 8} if m.startswith("kivi") else {}))
+             for m in methods]
+    stores = [CompressedKVStore(comps[0], num_layers=2, draft_kernels=flag) for flag in (False, True)]
+    err = 0.0
+    for rnd, grow in enumerate((0, 9, 30)):
+        lengths = [n + grow for n in lengths]
+        for st in stores:
+            for i, (k, v) in enumerate(kv):
+                st.sync(i, lengths[i], lambda _, a, b, k=k, v=v: (k[a:b], v[a:b]), compressor=comps[i],
+                        queries=[prompt_q, prompt_q])
+        rids = list(range(len(methods)))[::-1] if rnd % 2 else list(range(len(methods)))
+        g = _gen(40 + rnd)
+        q = torch.randn(3, len(rids), 6, 64, generator=g).to(dtype).to(device)
+        kn, vn = (torch.randn(3, len(rids), 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
+        outs = []
+        for st in stores:
+            st.begin_round(rids, 3)
+            outs.append(torch.stack([st.attend(layer, q[s], kn[s], vn[s], 0.125) for s in range(3) for layer in (0, 1)]))
+        assert stores[0]._kernel_round is None and stores[1]._kernel_round is not None
+        err = max(err, _close(outs[1], outs[0], dtype, f"store round {rnd} {methods}"))
+    if "quest" not in methods:  # teacher forcing one request (Quest selects per query: refused)
+        outs = []
+        for st in stores:
+            st.begin_round([len(methods) - 1], 6)
+            outs.append(torch.cat([st.attend_tokens(0, q[0, :1].expand(4, -1, -1) * torch.arange(1, 5, device=device)
+                                                    [:, None, None].to(dtype), kn[0, :1].expand(4, -1, -1).contiguous(),
+                                                    vn[0, :1].expand(4, -1, -1).contiguous(), 0.125),
+                                   st.attend(0, q[1, :1], kn[1, :1], vn[1, :1], 0.125)]))
+        err = max(err, _close(outs[1], outs[0], dtype, f"store teacher-forced {methods}"))
+    assert stores[1].buffer_nbytes() > 0
+    for st in stores:
+        for rid in range(len(methods)):
+            st.release(rid)
+    assert stores[1].buffer_nbytes() == 0 and stores[1]._kernel_round is None
+    return err
+
+
 # ---------------------------------------------------------------- the case list
 
 KIVI = {"group_size": 8, "residual_length": 8}
@@ -233,6 +282,12 @@ def all_cases() -> list[Case]:
                       tags=("quest",)))
     cases.append(Case("paged full-KV pool", lambda dev: check_paged_pool(Shape((45, 70, 3)), dev), tags=("full",)))
     cases.append(Case("empty row and lse", check_empty_and_lse, tags=("int8",)))
+    for methods in (("kivi4", "streamingllm", "full"), ("quest", "h2o", "int8"), ("fp8", "kivi2", "snapkv"),
+                    ("kivi4",)):
+        cases.append(Case(f"store rounds {'+'.join(methods)}", lambda dev, m=methods: check_store_rounds(m, dev),
+                          tags=("store", *methods)))
+    cases.append(Case("store rounds kivi4 bf16", lambda dev: check_store_rounds(("kivi4", "snapkv"), dev,
+                                                                                  torch.bfloat16), tags=("store",)))
     cases.append(Case("default launch sizes, 4k tokens", lambda dev: check_method(
         "kivi4", {}, Shape((4000, 1500), kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16),
         ops.LaunchConfig(), dev), interpret=False, tags=("kivi4", "large")))

@@ -50,9 +50,14 @@ class _Round:
 
 
 class CompressedKVStore:
-    def __init__(self, compressor: KVCompressor, num_layers: int):
+    def __init__(self, compressor: KVCompressor, num_layers: int, draft_kernels: Optional[bool] = None):
+        """``draft_kernels``: None runs draft attention on the GPU kernels (sgl_vericache.kernels)
+        when the entries are on a device they serve (CUDA), else on the dense buffers below;
+        True always uses the kernels (tests, under Triton's interpreter), False never."""
         self.compressor = compressor
         self.num_layers = num_layers
+        self.draft_kernels = draft_kernels
+        self._kernel_round = None  # kernels.draft_round.KernelDraftRound of the round in progress
         self._entries: dict[Hashable, _RequestEntry] = {}
         self._round: Optional[_Round] = None
         self._k_buf: list[Optional[torch.Tensor]] = [None] * num_layers  # [B_cap, H_kv, L_cap, D]
@@ -135,6 +140,10 @@ class CompressedKVStore:
         if steps < 1:
             raise ValueError(f"a draft round needs at least one step, got {steps}")
         entries = [self._entries[rid] for rid in rids]
+        self._kernel_round = self._start_kernel_round(entries, steps)
+        if self._kernel_round is not None:
+            self._round, self._laid_out = None, []  # the dense buffers sit this round out
+            return
         tails = [self._tails(b, entry, reuse=True) for b, entry in enumerate(entries)]
         dense_lens = [_rows(t) for t in tails]
         width = max(dense_lens, default=0)
@@ -186,6 +195,8 @@ class CompressedKVStore:
         """One draft step of one layer: each request's query reads its compressed entry and
         the round's draft tokens so far (its own included, so no row is empty). Computed in
         fp32 when the entries are lower precision."""
+        if self._kernel_round is not None:
+            return self._kernel_round.attend(layer_id, q, k_new, v_new, scale)
         rnd = self._round
         assert rnd is not None, "attend() outside a draft round (call begin_round first)"
         step = rnd.step[layer_id]
@@ -218,6 +229,8 @@ class CompressedKVStore:
         input tokens are known (teacher forcing: a prompt's tokens past its compressed
         entry). Token i reads the entry and the round's tokens up to itself, exactly as S
         calls of ``attend`` would; not for compressors that select keys per query."""
+        if self._kernel_round is not None:
+            return self._kernel_round.attend_tokens(layer_id, q, k_new, v_new, scale)
         rnd = self._round
         assert rnd is not None, "attend_tokens() outside a draft round (call begin_round first)"
         assert len(rnd.entries) == 1 and not rnd.query_aware, "attend_tokens() is for one request, no per-step selection"
@@ -238,6 +251,26 @@ class CompressedKVStore:
             attn_mask=mask[None, None], scale=scale, enable_gqa=True,
         )  # [1, H_q, S, D]
         return out[0].transpose(0, 1).to(q.dtype)
+
+    def _start_kernel_round(self, entries: list[_RequestEntry], steps: int):
+        """The round on the GPU kernels, or None for the dense path (CPU; a layout or head
+        dim the kernels do not read). CPU behaviour is unchanged: no import happens there."""
+        if self.draft_kernels is False:
+            return None
+        device = next((l.tensors()[0].device for e in entries for l in e.layers if l is not None), None)
+        if device is None:
+            return None
+        if self.draft_kernels is None:
+            if device.type != "cuda":
+                return None
+            from sgl_vericache.kernels import draft_attention_available
+
+            if not draft_attention_available(device):
+                return None
+        from sgl_vericache.kernels.draft_round import KernelDraftRound
+
+        rows = [(e.compressor, list(e.layers)) for e in entries]  # as they are now, like the dense layout
+        return KernelDraftRound(rows, steps, self.num_layers) if KernelDraftRound.supports(rows) else None
 
     def _selection_mask(self, layer_id, q, end, mask):
         """Padding mask AND each query-aware request's per-step key selection."""
@@ -298,6 +331,7 @@ class CompressedKVStore:
     def clear(self) -> None:
         self._entries.clear()
         self._round = None
+        self._kernel_round = None
         self._laid_out = []
         self._k_buf = [None] * self.num_layers
         self._v_buf = [None] * self.num_layers
@@ -308,7 +342,8 @@ class CompressedKVStore:
     def buffer_nbytes(self) -> int:
         """Bytes the draft buffers hold (a dense copy of the round's entries plus draft room)."""
         bufs = [b for b in self._k_buf + self._v_buf if b is not None]
-        return sum(b.numel() * b.element_size() for b in bufs)
+        kernel = 0 if self._kernel_round is None else self._kernel_round.nbytes()
+        return sum(b.numel() * b.element_size() for b in bufs) + kernel
 
     def full_nbytes(self) -> int:
         total = 0

@@ -1,0 +1,35 @@
+"""GPU draft attention: Triton kernels that read a compressed KV entry where it lies.
+
+    draft_attention_available(device)   may the drafter use the kernels on this device?
+    ops.decode_attention(packed, q, ...) one launch: a batch of rows over packed entries
+    packing.pack(compressor, layers)     several requests' entries of one layer, end to end
+    draft_round.KernelDraftRound         CompressedKVStore's round on the kernels
+
+Kernels (Triton, each checked against its torch twin ``compressor.attend`` by
+test/kernel_checks.py): split-KV decode over dense kept tokens (StreamingLLM, SnapKV, H2O,
+full; or a paged pool through a token table), over KIVI int4/int2 packed codes with
+per-channel key / per-token value scales and the full-precision window, over int8 and fp8
+codes with their scales; Quest's page bounds and its attention over the chosen pages; a
+split merge. Importing this package imports neither triton nor CUDA: the submodules do.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DISABLE_ENV = "SGL_VERICACHE_DRAFT_KERNELS"  # "0": the drafter keeps its dense torch path on CUDA too
+
+
+def draft_attention_available(device: torch.device | str) -> bool:
+    """True where the drafter should run its attention on these kernels: a CUDA device with
+    Triton importable, unless SGL_VERICACHE_DRAFT_KERNELS=0. On CPU always False (the CPU
+    path stays the torch one; tests reach the kernels there through Triton's interpreter)."""
+    if torch.device(device).type != "cuda" or os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,125 @@
+"""A draft round of ``CompressedKVStore`` on the kernels (the store's CUDA path).
+
+Instead of materializing every entry into a dense buffer, the round keeps, per layer and per
+compressor among its requests, the entries packed end to end (``packing.pack``: no copy for
+a lone request, else one copy of the compressed bytes per layer and round) and one small
+buffer for the round's provisional KV, [B, steps, H_kv, D]. Each draft step writes its new
+K/V there and runs one kernel launch per compressor group. Entries are never modified.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor
+
+from . import ops
+from .packing import PackedKV, RowTable, pack, supports
+
+
+class KernelDraftRound:
+    def __init__(self, rows: Sequence[tuple[KVCompressor, Sequence[Optional[CompressedLayer]]]], steps: int,
+                 num_layers: int):
+        """rows[b] = (compressor, per-layer entries) of request b; ``steps`` draft steps."""
+        ref = _reference(rows)
+        self.num_layers, self.steps, self.batch = num_layers, steps, len(rows)
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = ref
+        self._rows = rows
+        self._groups: list[tuple[KVCompressor, list[int]]] = []  # compressor, its batch rows
+        for b, (comp, _) in enumerate(rows):
+            for c, members in self._groups:
+                if c is comp:
+                    members.append(b)
+                    break
+            else:
+                self._groups.append((comp, [b]))
+        self._packed: list[Optional[list[PackedKV]]] = [None] * num_layers  # built at a layer's first step
+        self._tables: list[Optional[RowTable]] = [None] * len(self._groups)
+        self._lens: Optional[list] = None  # per group (main_len, rec_len, pages_read) of the first packed layer
+        self._index = [torch.tensor(m, device=self.device) for _, m in self._groups]
+        shape = (len(rows), steps, self.num_kv_heads, self.head_dim)
+        self._k_extra = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        self._v_extra = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        self.step = [0] * num_layers
+
+    @staticmethod
+    def supports(rows: Sequence[tuple[KVCompressor, Sequence[Optional[CompressedLayer]]]]) -> bool:
+        """Every entry is a layout the kernels read and the head dim is one they handle."""
+        try:
+            head_dim = _reference(rows)[1]
+        except ValueError:
+            return False
+        fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+        return fits and all(supports(layer) for _, layers in rows for layer in layers)
+
+    def nbytes(self) -> int:
+        """Bytes this round holds beside the entries: the provisional KV and packed copies."""
+        extra = sum(t.numel() * t.element_size() for t in self._k_extra + self._v_extra)
+        copies = 0
+        for per_layer in self._packed:
+            for packed in per_layer or ():
+                if packed.num_entries > 1:
+                    copies += packed.nbytes()
+        return extra + copies
+
+    def attend(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """One draft step: q [B, H_q, D], k_new/v_new [B, H_kv, D] -> [B, H_q, D]."""
+        step = self.step[layer_id]
+        assert step < self.steps and q.shape[0] == self.batch, (step, self.steps, q.shape)
+        self.step[layer_id] = step + 1
+        self._k_extra[layer_id][:, step] = k_new
+        self._v_extra[layer_id][:, step] = v_new
+        packed = self._layer(layer_id)
+        if len(self._groups) == 1:
+            return self._launch(packed[0], q, scale, self._table(0), layer_id, step + 1)
+        out = torch.empty_like(q)
+        for g, index in enumerate(self._index):
+            out[index] = self._launch(packed[g], q[index], scale, self._table(g), layer_id, step + 1)
+        return out
+
+    def attend_tokens(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        """S teacher-forced steps of the round's one request: q [S, H_q, D] -> [S, H_q, D];
+        token i reads the entry and the round's tokens up to itself."""
+        step, n = self.step[layer_id], q.shape[0]
+        assert self.batch == 1 and step + n <= self.steps, (self.batch, step, n, self.steps)
+        packed = self._layer(layer_id)[0]
+        assert not packed.page_size, "attend_tokens() is for one request, no per-step selection"
+        self.step[layer_id] = step + n
+        self._k_extra[layer_id][0, step : step + n] = k_new
+        self._v_extra[layer_id][0, step : step + n] = v_new
+        rows = packed.rows(row_entry=[0] * n, ext_row=[0] * n, ext_base=[step + i for i in range(n)])
+        return self._launch(packed, q, scale, rows, layer_id, 1)
+
+    def _launch(self, packed: PackedKV, q, scale, rows: RowTable, layer_id: int, ext_add: int) -> torch.Tensor:
+        return ops.decode_attention(packed, q, scale, rows, self._k_extra[layer_id], self._v_extra[layer_id],
+                                    ext_add=ext_add)
+
+    def _layer(self, layer_id: int) -> list[PackedKV]:
+        if self._packed[layer_id] is None:
+            packed = [pack(comp, [self._rows[b][1][layer_id] for b in members]) for comp, members in self._groups]
+            lens = [(p.main_len, p.rec_len, p.pages_read) for p in packed]
+            if self._lens is None:
+                self._lens = lens
+            assert lens == self._lens, f"layer {layer_id}'s entries differ in length from the other layers'"
+            self._packed[layer_id] = packed
+        return self._packed[layer_id]
+
+    def _table(self, g: int) -> RowTable:
+        """Group g's row table; every layer's entries have the same lengths (``_layer``
+        checks), so one table serves all layers."""
+        if self._tables[g] is None:
+            packed = next(p for p in self._packed if p is not None)[g]
+            self._tables[g] = packed.rows(ext_row=self._groups[g][1])
+        return self._tables[g]
+
+
+def _reference(rows) -> tuple[int, int, torch.dtype, torch.device]:
+    for _, layers in rows:
+        for layer in layers:
+            if layer is not None:
+                return layer.num_kv_heads, layer.head_dim, layer.dtype, layer.tensors()[0].device
+    raise ValueError("a draft round needs at least one request with verified KV")

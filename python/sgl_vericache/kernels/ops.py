@@ -1,0 +1,195 @@
+"""Host side of the draft kernels: choose launch sizes and dtypes, launch, merge the splits.
+
+    packed = pack(compressor, layers)            # one layer of E requests (packing.py)
+    rows = packed.rows()                         # row r reads entry r (any map is allowed)
+    out = decode_attention(packed, q, scale, rows, k_extra, v_extra, ext_add=step + 1)
+
+q [R, H_q, D]; k_extra/v_extra [X, E_cap, H_kv, D], the round's provisional KV, of which row
+r reads extras row rows.ext_row[r], its first rows.ext_base[r] + ext_add tokens. The result
+is [R, H_q, D] in q.dtype: what each row's compressor.attend(...) computes in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import triton_decode as td
+from . import triton_quest as tq
+from .packing import META_COLS, PackedKV, RowTable
+
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+MAX_SPLITS = 64
+DEFAULT_BLOCK_N = 64
+PAGE_SCORE_BLOCK = 64
+
+
+def interpreting() -> bool:
+    """Kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1, set before import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tunables (None: chosen per call). Tests pin them to reach every code path."""
+
+    num_splits: Optional[int] = None  # rounded up to a power of two
+    block_n: int = DEFAULT_BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def dot_modes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[int, int]:
+    """(ROUND, DOT): dequantized values are rounded to the entry dtype (as materialize does);
+    products run in that dtype when the query has it too (exact: the torch path multiplies
+    the same rounded values in fp32, only the probabilities are rounded here), otherwise in
+    fp32. The interpreter's bf16 matmul is wrong and its bf16 cast truncates (numpy has no
+    bf16), so there bf16 values are rounded by hand and multiplied in fp32."""
+    rnd = _DTYPE_CODE[kv_dtype]
+    if interpreting() and rnd == 2:
+        return 3, 0  # bf16 values rounded by hand, fp32 products
+    return rnd, (rnd if q_dtype == kv_dtype else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_splits(programs: int, longest: int, block_n: int, device: torch.device) -> int:
+    """Enough programs for two waves over the GPU, each with at least two key blocks."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    want = min(-(-2 * sms // max(programs, 1)), max(1, longest // (2 * block_n)), MAX_SPLITS)
+    return _pow2(want)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _extras(k_extra, v_extra, packed: PackedKV, ext_add: int):
+    if k_extra is None:
+        if ext_add:
+            raise ValueError("ext_add > 0 without extras")
+        dummy = torch.zeros(1, 1, packed.num_kv_heads, packed.head_dim, dtype=packed.dtype, device=packed.device)
+        return dummy, dummy, 1
+    assert k_extra.dim() == 4 and k_extra.shape == v_extra.shape, (k_extra.shape, v_extra.shape)
+    return k_extra.contiguous(), v_extra.contiguous(), k_extra.shape[1]
+
+
+def _check(packed: PackedKV, q: torch.Tensor, rows: RowTable) -> int:
+    num_rows, num_q_heads, head_dim = q.shape
+    if head_dim != packed.head_dim or num_q_heads % packed.num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit {packed.num_kv_heads} KV heads of dim {packed.head_dim}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"the draft kernels need a power-of-two head_dim >= 16, got {head_dim}")
+    assert rows.meta.shape == (num_rows, META_COLS) and rows.meta.dtype == torch.int32, rows.meta.shape
+    return num_q_heads // packed.num_kv_heads
+
+
+def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable,
+                     k_extra: Optional[torch.Tensor] = None, v_extra: Optional[torch.Tensor] = None,
+                     ext_add: int = 0, config: LaunchConfig = LaunchConfig(),
+                     return_lse: bool = False):
+    """Draft attention of q over each row's entry (+ extras). See the module docstring."""
+    if packed.page_size:
+        return quest_decode(packed, q, scale, rows, k_extra, v_extra, ext_add, config, return_lse)
+    group = _check(packed, q, rows)
+    q = q.contiguous()
+    num_rows, num_q_heads, head_dim = q.shape
+    ke, ve, e_cap = _extras(k_extra, v_extra, packed, ext_add)
+    longest = max((packed.main_len[e] for e in rows.entries), default=0)
+    splits = config.num_splits or choose_splits(num_rows * packed.num_kv_heads, longest, config.block_n, q.device)
+    splits = _pow2(splits)
+    rnd, dot = dot_modes(q.dtype, packed.dtype)
+    m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
+    k = packed.k
+    td._decode_split_kernel[(num_rows, packed.num_kv_heads, splits)](
+        q, rows.meta, k, packed.v,
+        _or(packed.k_scale, k), _or(packed.k_zero, k), _or(packed.v_scale, k), _or(packed.v_zero, k),
+        _or(packed.k_recent, ke), _or(packed.v_recent, ve), ke, ve, _or(packed.indices, rows.meta),
+        m, l, acc,
+        scale * td_log2e(), packed.num_kv_heads, num_q_heads, e_cap, ext_add, splits,
+        GROUP=group, GP=max(16, _pow2(group)), D=head_dim, BN=config.block_n,
+        FMT=packed.fmt, BITS=packed.bits, QGROUP=packed.token_group, CGROUP=packed.channel_group,
+        HEAD_SCALE=packed.head_scale, INDEXED=packed.indices is not None, ROUND=rnd, DOT=dot,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return _combine(m, l, acc, q.dtype, return_lse)
+
+
+def page_scores(packed: PackedKV, q: torch.Tensor, rows: RowTable) -> torch.Tensor:
+    """Quest's upper bound of q.k per page: [R, H_q, P] fp32 (P: the most pages of any
+    row's entry), -inf past a row's pages."""
+    group = _check(packed, q, rows)
+    num_rows, num_q_heads, head_dim = q.shape
+    row_pages = max((-(-packed.main_len[e] // packed.page_size) for e in rows.entries), default=1)
+    out = torch.full((num_rows, num_q_heads, max(row_pages, 1)), float("-inf"), dtype=torch.float32,
+                     device=q.device)
+    grid = (num_rows, num_q_heads, -(-max(row_pages, 1) // PAGE_SCORE_BLOCK))
+    tq._page_scores_kernel[grid](q.contiguous(), rows.meta, packed.page_min, packed.page_max, out,
+                                 packed.num_kv_heads, num_q_heads, out.shape[2], packed.page_size,
+                                 GROUP=group, D=head_dim, BP=PAGE_SCORE_BLOCK)
+    return out
+
+
+def select_pages(scores: torch.Tensor, pages_read: int) -> torch.Tensor:
+    """[R, H_q, pages_read] int32: the best pages first; ties go to the earlier page, as
+    QuestCompressor.selected_tokens breaks them."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[..., : max(pages_read, 1)].to(torch.int32).contiguous()
+
+
+def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable,
+                 k_extra=None, v_extra=None, ext_add: int = 0, config: LaunchConfig = LaunchConfig(),
+                 return_lse: bool = False, selection: Optional[torch.Tensor] = None):
+    """Quest: score every page of each row's entry, keep each head's top pages_read pages,
+    attend over those pages (+ extras). ``selection`` [R, H_q, K] skips the scoring."""
+    group = _check(packed, q, rows)
+    q = q.contiguous()
+    num_rows, num_q_heads, head_dim = q.shape
+    if selection is None:
+        scores = page_scores(packed, q, rows)
+        selection = select_pages(scores, max((packed.pages_read[e] for e in rows.entries), default=1))
+    ke, ve, e_cap = _extras(k_extra, v_extra, packed, ext_add)
+    longest = max((packed.pages_read[e] for e in rows.entries), default=0) * packed.page_size
+    splits = _pow2(config.num_splits or choose_splits(num_rows * num_q_heads, longest, config.block_n, q.device))
+    rnd, _ = dot_modes(q.dtype, packed.dtype)
+    m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
+    tq._quest_split_kernel[(num_rows, num_q_heads, splits)](
+        q, rows.meta, packed.k, packed.v, selection, ke, ve, m, l, acc,
+        scale * td_log2e(), packed.num_kv_heads, num_q_heads, e_cap, ext_add, selection.shape[2],
+        packed.page_size, splits,
+        GROUP=group, D=head_dim, BN=config.block_n, ROUND=rnd, num_warps=config.num_warps,
+    )
+    return _combine(m, l, acc, q.dtype, return_lse)
+
+
+def td_log2e() -> float:
+    return 1.4426950408889634
+
+
+def _or(t: Optional[torch.Tensor], fallback: torch.Tensor) -> torch.Tensor:
+    return fallback if t is None else t
+
+
+def _partials(num_rows, num_q_heads, splits, head_dim, device):
+    m = torch.empty(num_rows, num_q_heads, splits, dtype=torch.float32, device=device)
+    return m, torch.empty_like(m), torch.empty(num_rows, num_q_heads, splits, head_dim, dtype=torch.float32,
+                                               device=device)
+
+
+def _combine(m, l, acc, dtype, return_lse):
+    num_rows, num_q_heads, splits, head_dim = acc.shape
+    out = torch.empty(num_rows, num_q_heads, head_dim, dtype=dtype, device=acc.device)
+    lse = torch.empty(num_rows, num_q_heads, dtype=torch.float32, device=acc.device) if return_lse else m
+    td._combine_kernel[(num_rows * num_q_heads,)](m, l, acc, out, lse, splits, SP=splits, D=head_dim,
+                                                  HAS_LSE=return_lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,243 @@
+"""Triton split-KV decode attention that reads a compressed entry where it lies.
+
+One program handles one query row, one KV head (all its GQA query heads at once, so each
+key block is loaded and dequantized once for the group) and one slice of the row's
+compressed tokens. A row's keys are three segments read in order:
+
+    main     the entry proper: dense rows (droppers, full), KIVI's packed codes, int8 or
+             fp8 codes; scales and zero points are loaded beside them and applied in
+             registers: nothing is dequantized to memory
+    recent   KIVI's full-precision window (empty for the other formats)
+    extra    the round's provisional draft KV, of which the row sees its first ext_len
+
+The main segment is split across ``num_splits`` programs (flash-decoding); the last split
+also reads the two short segments. Partial softmax states go to a small fp32 buffer and
+``_combine_kernel`` merges them. Dequantized values are rounded to the entry's dtype before
+the products, exactly as ``materialize`` does on the torch path; softmax and accumulation
+are fp32 (scores in the log2 domain).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# The row table (packing.PackedKV.rows) is read by column index: 0 main_start, 1 main_len,
+# 2 rec_start, 3 rec_len, 4 ext_row, 5 ext_base (+ EXT_ADD = extras seen), 6 entry,
+# 7 page_start, 8 pages_read. FMT as packing.FMT_*; ROUND / DOT: 0 fp32, 1 fp16, 2 bf16
+# (ROUND 3: bf16 values kept in fp32, for the interpreter).
+# the running max starts at -1e30 (finite), so a block that is all masked never makes NaNs
+
+
+@triton.jit
+def _round_to(x, MODE: tl.constexpr):
+    """x rounded to the entry dtype (what torch's materialize stores), as fp32 or that dtype."""
+    if MODE == 1:
+        x = x.to(tl.float16)
+    elif MODE == 2:
+        x = x.to(tl.bfloat16)
+    elif MODE == 3:  # bf16 rounded to nearest even by hand: the interpreter's cast truncates
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _dot_in(x, DOT: tl.constexpr):
+    if DOT == 1:
+        return x.to(tl.float16)
+    elif DOT == 2:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _mm(a, b, DOT: tl.constexpr):
+    """a @ b with fp32 accumulation; DOT 0 multiplies in fp32 (no TF32)."""
+    if DOT == 0:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_step(m_i, l_i, acc, s, v, DOT: tl.constexpr):
+    """Fold one block into the running state. s [GP, BN] scores (log2 domain, -inf where
+    masked), v [BN, D] values in the dot dtype."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mm(_dot_in(p, DOT), v, DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _unpack_codes(b, BITS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """b [BN, D*BITS/8] int32 packed bytes (low bits first) -> [BN, D] codes in channel order."""
+    if BITS == 4:
+        x = tl.join(b & 15, (b >> 4) & 15)
+    elif BITS == 2:
+        # byte j holds channels 4j..4j+3 at shifts 0, 2, 4, 6: join orders them (i, k) -> 2i + k
+        x = tl.join(tl.join(b & 3, (b >> 4) & 3), tl.join((b >> 2) & 3, (b >> 6) & 3))
+    else:
+        x = b
+    return tl.reshape(x, (BN, D))
+
+
+@triton.jit
+def _fp8_e4m3_to_f32(b):
+    """uint8 e4m3fn bit patterns -> fp32, exactly: the 7 magnitude bits shifted into an fp16
+    land on the same value times 2^-8 (normals and subnormals alike)."""
+    b = b.to(tl.int32)
+    bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _load_dense(ptr, tok, h, H, valid, D: tl.constexpr):
+    """Rows tok (int64 [BN]) of head h of a contiguous [N, H, D] tensor -> [BN, D]."""
+    d = tl.arange(0, D)
+    return tl.load(ptr + ((tok * H + h) * D)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _load_main(data_ptr, s_ptr, z_ptr, tok, entry, h, H, valid,
+               FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr,
+               HEAD_SCALE: tl.constexpr, IS_KEY: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """[BN, D] fp32 (or stored dtype for dense) keys/values of the main segment."""
+    d = tl.arange(0, D)
+    if FMT == 0:
+        x = _load_dense(data_ptr, tok, h, H, valid, D)
+    elif FMT == 1:
+        j = tl.arange(0, D * BITS // 8)
+        b = tl.load(data_ptr + ((tok * H + h) * (D * BITS // 8))[:, None] + j[None, :], mask=valid[:, None],
+                    other=0)
+        codes = _unpack_codes(b.to(tl.int32), BITS, BN, D).to(tl.float32)
+        if IS_KEY:  # per channel, one scale row per QGROUP tokens
+            meta = ((tok // QGROUP) * H + h) * D
+            off = meta[:, None] + d[None, :]
+        else:  # per token, one scale per CGROUP channels
+            off = ((tok * H + h) * (D // CGROUP))[:, None] + (d // CGROUP)[None, :]
+        scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        x = codes * scale + zero
+    else:
+        raw = _load_dense(data_ptr, tok, h, H, valid, D)
+        if FMT == 2:
+            codes = raw.to(tl.float32)
+        else:
+            codes = _fp8_e4m3_to_f32(raw)
+        if HEAD_SCALE:  # fp8 "head": one scale per entry and head
+            scale = tl.load(s_ptr + entry * H + h).to(tl.float32)
+            x = codes * scale
+        else:
+            scale = tl.load(s_ptr + tok * H + h, mask=valid, other=0.0).to(tl.float32)
+            x = codes * scale[:, None]
+    return x
+
+
+@triton.jit
+def _dense_segment(q, m_i, l_i, acc, k_ptr, v_ptr, row0, count, h, H, qk_scale,
+                   ROUND: tl.constexpr, DOT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """Fold ``count`` consecutive dense rows starting at row0 of [N, H, D] K/V."""
+    for start in range(0, count, BN):
+        t = start + tl.arange(0, BN)
+        valid = t < count
+        tok = row0 + t.to(tl.int64)
+        k = _dot_in(_round_to(_load_dense(k_ptr, tok, h, H, valid, D), ROUND), DOT)
+        s = _mm(q, tl.trans(k), DOT) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        v = _dot_in(_round_to(_load_dense(v_ptr, tok, h, H, valid, D), ROUND), DOT)
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, DOT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, meta_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,  # main segment: data and its scales / zeros
+    kr_ptr, vr_ptr,  # KIVI's recent window [Nr, H, D]
+    ke_ptr, ve_ptr,  # extras [X, E_cap, H, D]
+    idx_ptr,  # INDEXED: main token t of a row lives at pool row idx[main_start + t]
+    m_ptr, l_ptr, acc_ptr,  # partials [R, HQ, NUM_SPLITS] (x D for acc)
+    qk_scale, H, HQ, E_CAP, EXT_ADD, NUM_SPLITS,
+    GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+    FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr,
+    HEAD_SCALE: tl.constexpr, INDEXED: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    meta = meta_ptr + r * 9
+    main_start = tl.load(meta + 0).to(tl.int64)
+    main_len = tl.load(meta + 1)
+    entry = tl.load(meta + 6)
+    gi = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    q_rows = r.to(tl.int64) * HQ + h * GROUP + gi
+    q = tl.load(q_ptr + (q_rows * D)[:, None] + d[None, :], mask=(gi < GROUP)[:, None], other=0.0)
+    q = _dot_in(q, DOT)
+    m_i = tl.full([GP], -1.0e30, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+
+    per_split = tl.cdiv(tl.cdiv(main_len, NUM_SPLITS), BN) * BN
+    lo = split * per_split
+    hi = tl.minimum(main_len, lo + per_split)
+    for start in range(lo, hi, BN):
+        t = start + tl.arange(0, BN)
+        valid = t < hi
+        tok = main_start + t.to(tl.int64)
+        if INDEXED:
+            tok = tl.load(idx_ptr + tok, mask=valid, other=0).to(tl.int64)
+        k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, entry, h, H, valid,
+                       FMT, BITS, QGROUP, CGROUP, HEAD_SCALE, True, BN, D)
+        k = _dot_in(_round_to(k, ROUND), DOT)
+        s = _mm(q, tl.trans(k), DOT) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, entry, h, H, valid,
+                       FMT, BITS, QGROUP, CGROUP, HEAD_SCALE, False, BN, D)
+        v = _dot_in(_round_to(v, ROUND), DOT)
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, DOT)
+
+    last = split == NUM_SPLITS - 1  # the short segments go to the split with the least main work
+    rec_len = tl.where(last, tl.load(meta + 3), 0)
+    rec_start = tl.load(meta + 2).to(tl.int64)
+    m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, kr_ptr, vr_ptr, rec_start, rec_len, h, H, qk_scale,
+                                   ROUND, DOT, BN, D)
+    ext_len = tl.where(last, tl.load(meta + 5) + EXT_ADD, 0)
+    ext_row0 = tl.load(meta + 4).to(tl.int64) * E_CAP
+    m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, ke_ptr, ve_ptr, ext_row0, ext_len, h, H, qk_scale,
+                                   ROUND, DOT, BN, D)
+
+    out_rows = q_rows * NUM_SPLITS + split
+    keep = gi < GROUP
+    tl.store(m_ptr + out_rows, m_i, mask=keep)
+    tl.store(l_ptr + out_rows, l_i, mask=keep)
+    tl.store(acc_ptr + (out_rows * D)[:, None] + d[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, NUM_SPLITS,
+                    SP: tl.constexpr, D: tl.constexpr, HAS_LSE: tl.constexpr):
+    """Merge one (row, query head)'s split states: out = sum_s w_s acc_s / sum_s w_s l_s.
+    A row that saw no key at all gets zeros (and lse -inf)."""
+    rh = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    live = s < NUM_SPLITS
+    m = tl.load(m_ptr + rh * NUM_SPLITS + s, mask=live, other=float("-inf"))
+    l = tl.load(l_ptr + rh * NUM_SPLITS + s, mask=live, other=0.0)
+    acc = tl.load(acc_ptr + ((rh * NUM_SPLITS + s) * D)[:, None] + d[None, :], mask=live[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)
+    total = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + rh * D + d, out.to(out_ptr.dtype.element_ty))
+    if HAS_LSE:
+        lse = tl.where(total > 0, (m_max + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
+                       float("-inf"))
+        tl.store(lse_ptr + rh, lse)

@@ -1,0 +1,99 @@
+"""Triton kernels for Quest: per-page upper bounds, then attention over the chosen pages only.
+
+Quest's choice is per query head (two heads of one GQA group may read different pages), so
+these programs are per (row, query head): a one-row query, scores by multiply-and-sum
+rather than a matrix product. Keys and values are dense in the entry dtype; the pages a
+head reads come from a page table [R, H_q, K] (the top-scored pages, best first), of which a
+row reads its first ``pages_read``. The partial states use the layout of
+``triton_decode._combine_kernel``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_decode import _round_to
+
+
+@triton.jit
+def _page_scores_kernel(q_ptr, meta_ptr, pmin_ptr, pmax_ptr, out_ptr, H, HQ, P_MAX, PAGE_SIZE,
+                        GROUP: tl.constexpr, D: tl.constexpr, BP: tl.constexpr):
+    """out[r, hq, p] = sum_d max(q_d * min_d, q_d * max_d) over page p of the row's entry,
+    for p < num_pages; the rest of the row is left as the caller filled it (-inf)."""
+    r = tl.program_id(0)
+    hq = tl.program_id(1)
+    blk = tl.program_id(2)
+    meta = meta_ptr + r * 9
+    num_pages = tl.cdiv(tl.load(meta + 1), PAGE_SIZE)
+    page_start = tl.load(meta + 7).to(tl.int64)
+    h = hq // GROUP
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (r.to(tl.int64) * HQ + hq) * D + d).to(tl.float32)
+    p = blk * BP + tl.arange(0, BP)
+    valid = p < num_pages
+    off = (((page_start + p.to(tl.int64)) * H + h) * D)[:, None] + d[None, :]
+    low = tl.load(pmin_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    high = tl.load(pmax_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    bound = tl.sum(tl.maximum(q[None, :] * low, q[None, :] * high), 1)
+    tl.store(out_ptr + (r.to(tl.int64) * HQ + hq) * P_MAX + p, bound, mask=valid)
+
+
+@triton.jit
+def _fold_rows(q, m_i, l_i, acc, k_ptr, v_ptr, tok, h, H, valid, qk_scale,
+               ROUND: tl.constexpr, D: tl.constexpr):
+    d = tl.arange(0, D)
+    off = ((tok * H + h) * D)[:, None] + d[None, :]
+    k = _round_to(tl.load(k_ptr + off, mask=valid[:, None], other=0.0), ROUND).to(tl.float32)
+    s = tl.where(valid, tl.sum(k * q[None, :], 1) * qk_scale, float("-inf"))
+    v = _round_to(tl.load(v_ptr + off, mask=valid[:, None], other=0.0), ROUND).to(tl.float32)
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
+
+
+@triton.jit
+def _quest_split_kernel(
+    q_ptr, meta_ptr, k_ptr, v_ptr, sel_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr,
+    qk_scale, H, HQ, E_CAP, EXT_ADD, K_SEL, PAGE_SIZE, NUM_SPLITS,
+    GROUP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, ROUND: tl.constexpr,
+):
+    r = tl.program_id(0)
+    hq = tl.program_id(1)
+    split = tl.program_id(2)
+    meta = meta_ptr + r * 9
+    main_start = tl.load(meta + 0).to(tl.int64)
+    num_tokens = tl.load(meta + 1)
+    pages_read = tl.load(meta + 8)
+    h = hq // GROUP
+    rh = r.to(tl.int64) * HQ + hq
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + rh * D + d).to(tl.float32)
+    m_i = tl.full([], -1.0e30, tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+
+    span = pages_read * PAGE_SIZE  # slots of the chosen pages, in table order
+    per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BN) * BN
+    lo = split * per_split
+    hi = tl.minimum(span, lo + per_split)
+    for start in range(lo, hi, BN):
+        i = start + tl.arange(0, BN)
+        page = tl.load(sel_ptr + rh * K_SEL + i // PAGE_SIZE, mask=i < hi, other=0)
+        t = page * PAGE_SIZE + i % PAGE_SIZE
+        valid = (i < hi) & (t < num_tokens)  # the last page may be partial
+        m_i, l_i, acc = _fold_rows(q, m_i, l_i, acc, k_ptr, v_ptr, main_start + t.to(tl.int64), h, H, valid,
+                                   qk_scale, ROUND, D)
+
+    ext_len = tl.where(split == NUM_SPLITS - 1, tl.load(meta + 5) + EXT_ADD, 0)
+    ext_row0 = tl.load(meta + 4).to(tl.int64) * E_CAP
+    for start in range(0, ext_len, BN):
+        t = start + tl.arange(0, BN)
+        m_i, l_i, acc = _fold_rows(q, m_i, l_i, acc, ke_ptr, ve_ptr, ext_row0 + t.to(tl.int64), h, H,
+                                   t < ext_len, qk_scale, ROUND, D)
+
+    out = rh * NUM_SPLITS + split
+    tl.store(m_ptr + out, m_i)
+    tl.store(l_ptr + out, l_i)
+    tl.store(acc_ptr + out * D + d, acc)
