@@ -4,6 +4,7 @@ so the bare GPU machine runs it too):
     TRITON_INTERPRET=1 python test/kernel_checks.py --device cpu      # CI, Triton's interpreter
     python test/kernel_checks.py --device cuda                        # compiled, on a GPU
     python test/kernel_checks.py --device cpu --only kivi4 quest      # cases whose name has a word
+    python test/kernel_checks.py --device cpu --family quantizers     # one family (see FAMILIES)
 
 The twin of each kernel is the compressor's own ``attend`` (fp32 attention over
 ``materialize``, per request, with the causal provisional KV); test_kernels.py runs this
@@ -52,6 +53,7 @@ class Shape:
 class Case:
     name: str
     run: Callable[[torch.device], float]  # returns the max abs error it checked; raises on failure
+    family: str  # one of FAMILIES: test_kernels.py runs one subprocess per family
     interpret: bool = True  # small enough for the interpreter
     tags: tuple[str, ...] = field(default_factory=tuple)
 
@@ -202,7 +204,7 @@ def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32) ->
              for m in methods]
     stores = [CompressedKVStore(comps[0], num_layers=2, draft_kernels=flag) for flag in (False, True)]
     err = 0.0
-    for rnd, grow in enumerate((0, 9, 30)):
+    for rnd, grow in enumerate((0, 30)):
         lengths = [n + grow for n in lengths]
         for st in stores:
             for i, (k, v) in enumerate(kv):
@@ -240,18 +242,40 @@ def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32) ->
 KIVI = {"group_size": 8, "residual_length": 8}
 
 
-def _method_cases() -> list[Case]:
+QUANTIZERS = ("kivi4", "kivi2", "int8", "fp8")
+FAMILIES = ("quantizers", "droppers", "layouts", "store", "large")
+
+
+def _label(method, options, shape: Shape, splits) -> str:
+    label = (f"{method}{'-' + str(options.get('scale')) if method == 'fp8' else ''} T={list(shape.lengths)} "
+             f"gqa={shape.group} d={shape.head_dim} {str(shape.dtype)[6:]}"
+             f"{' q=' + str(shape.q_dtype)[6:] if shape.q_dtype else ''} splits={splits}")
+    if method.startswith("kivi"):
+        label += f" G={options['group_size']} R={options['residual_length']}"
+    return label
+
+
+def _method_case(method, options, shape: Shape, splits) -> Case:
+    cfg = ops.LaunchConfig(num_splits=splits, block_n=16)
+    family = "quantizers" if method in QUANTIZERS else "droppers"
+    return Case(_label(method, options, shape, splits),
+                lambda dev, a=(method, options, shape, cfg): check_method(*a, dev), family=family, tags=(method,))
+
+
+def _curated() -> list[Case]:
     f32, b16, f16 = torch.float32, torch.bfloat16, torch.float16
-    grid = [  # (method, options, shape, splits)
+    grid = [  # (method, options, shape, splits): the edges named in the issue
         ("kivi4", KIVI, Shape((37, 70, 5)), 1),
         ("kivi4", KIVI, Shape((37, 70, 5), group=8, kv_heads=1, head_dim=128), 2),
         ("kivi2", KIVI, Shape((45, 19, 64), group=1), 2),
         ("kivi2", {"group_size": 32, "residual_length": 16}, Shape((100, 49), head_dim=128, dtype=b16), 1),
         ("kivi4", {"group_size": 16, "residual_length": 0}, Shape((64, 32)), 2),  # empty residual window
+        ("kivi2", {"group_size": 16, "residual_length": 0}, Shape((48, 96), group=8, kv_heads=1), 4),
         ("kivi4", {"group_size": 16, "residual_length": 128}, Shape((60, 9)), 1),  # all in the window
         ("kivi4", KIVI, Shape((37, 70, 5), dtype=f16), 2),
         ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1), 2),
         ("int8", {}, Shape((50, 17), dtype=b16), 1),
+        ("int8", {}, Shape((40, 12), q_dtype=f32, dtype=b16), 1),  # fp32 queries over a bf16 entry
         ("fp8", {"scale": "head"}, Shape((29, 66), group=1), 2),
         ("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1),
         ("streamingllm", {"min_budget": 8}, Shape((90, 23, 7)), 2),
@@ -260,47 +284,69 @@ def _method_cases() -> list[Case]:
         ("full", {}, Shape((19, 40), group=1, head_dim=128), 2),
         ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
         ("quest", {"page_size": 16, "min_budget": 16}, Shape((70, 130), group=8, kv_heads=1, dtype=b16), 1),
-        ("int8", {}, Shape((40, 12), q_dtype=f32, dtype=b16), 1),  # fp32 queries over a bf16 entry
     ]
+    return [_method_case(*row) for row in grid]
+
+
+def _sweep() -> list[Case]:
+    """Every method three times, rotating GQA ratio (1/3/8), head dim (64/128), dtype
+    (fp32/bf16/fp16), splits and options; ragged lengths from a fixed seed."""
+    methods = ("kivi4", "kivi2", "int8", "fp8", "streamingllm", "snapkv", "h2o", "quest", "full")
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    g = _gen(2024)
     cases = []
-    for method, options, shape, splits in grid:
-        cfg = ops.LaunchConfig(num_splits=splits, block_n=16)
-        label = (f"{method}{'-' + str(options.get('scale')) if method == 'fp8' else ''} T={list(shape.lengths)} "
-                 f"gqa={shape.group} d={shape.head_dim} {str(shape.dtype)[6:]}"
-                 f"{' q=' + str(shape.q_dtype)[6:] if shape.q_dtype else ''} splits={splits}")
-        if method.startswith("kivi"):
-            label += f" G={options['group_size']} R={options['residual_length']}"
-        cases.append(Case(label, lambda dev, a=(method, options, shape, cfg): check_method(*a, dev), tags=(method,)))
+    for i, method in enumerate(methods):
+        for j in range(3):
+            group = (1, 3, 8)[(i + j) % 3]
+            lengths = tuple(int(n) for n in torch.randint(1, 120, (3,), generator=g))
+            shape = Shape(lengths, kv_heads=1 if group == 8 else 2, group=group, head_dim=(64, 128)[(i + j) % 2],
+                          dtype=dtypes[j])
+            options = {"kivi4": {"group_size": (8, 16, 32)[j], "residual_length": (0, 8, 32)[(i + j) % 3]},
+                       "fp8": {"scale": ("head", "token")[j % 2]}, "quest": {"page_size": (8, 16)[j % 2]},
+                       "snapkv": {"window_size": 4, "min_budget": 8}}.get(method, {})
+            if method == "kivi2":
+                options = {"group_size": (32, 8, 16)[j], "residual_length": (8, 0, 16)[j]}
+            if method in ("streamingllm", "h2o"):
+                options = {"min_budget": 8}
+            cases.append(_method_case(method, options, shape, (1, 2, 4)[(i + 2 * j) % 3]))
     return cases
 
 
 def all_cases() -> list[Case]:
-    cases = _method_cases()
+    cases = _curated() + _sweep()
     cases += [Case(f"{m} teacher-forced rows", lambda dev, m=m, o=o: check_tokens(m, o, Shape((50,)), dev),
-                   tags=(m, "tokens")) for m, o in (("kivi4", KIVI), ("snapkv", {"window_size": 4, "min_budget": 8}))]
+                   family="layouts", tags=(m, "tokens"))
+              for m, o in (("kivi4", KIVI), ("snapkv", {"window_size": 4, "min_budget": 8}))]
     cases.append(Case("quest page bounds and choice", lambda dev: check_quest_selection(Shape((83, 30)), dev),
-                      tags=("quest",)))
-    cases.append(Case("paged full-KV pool", lambda dev: check_paged_pool(Shape((45, 70, 3)), dev), tags=("full",)))
-    cases.append(Case("empty row and lse", check_empty_and_lse, tags=("int8",)))
+                      family="layouts", tags=("quest",)))
+    cases.append(Case("paged full-KV pool", lambda dev: check_paged_pool(Shape((45, 70, 3)), dev), family="layouts",
+                      tags=("full",)))
+    cases.append(Case("empty row and lse", check_empty_and_lse, family="layouts", tags=("int8",)))
     for methods in (("kivi4", "streamingllm", "full"), ("quest", "h2o", "int8"), ("fp8", "kivi2", "snapkv"),
                     ("kivi4",)):
         cases.append(Case(f"store rounds {'+'.join(methods)}", lambda dev, m=methods: check_store_rounds(m, dev),
-                          tags=("store", *methods)))
-    cases.append(Case("store rounds kivi4 bf16", lambda dev: check_store_rounds(("kivi4", "snapkv"), dev,
-                                                                                  torch.bfloat16), tags=("store",)))
-    cases.append(Case("default launch sizes, 4k tokens", lambda dev: check_method(
-        "kivi4", {}, Shape((4000, 1500), kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16),
-        ops.LaunchConfig(), dev), interpret=False, tags=("kivi4", "large")))
+                          family="store", tags=methods))
+    cases.append(Case("store rounds kivi4+snapkv bf16", lambda dev: check_store_rounds(
+        ("kivi4", "snapkv"), dev, torch.bfloat16), family="store", tags=("kivi4", "snapkv")))
+    big = Shape((4000, 1500, 777), kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16)
+    for method, options in (("kivi4", {}), ("kivi2", {}), ("int8", {}), ("fp8", {}), ("snapkv", {}),
+                            ("quest", {})):
+        cases.append(Case(f"{method} default launch sizes T={list(big.lengths)}", lambda dev, a=(method, options):
+                          check_method(*a, big, ops.LaunchConfig(), dev), family="large", interpret=False,
+                          tags=(method,)))
     return cases
 
 
-def run(device: str, only: list[str] | None = None) -> int:
+def run(device: str, only: list[str] | None = None, family: str | None = None) -> int:
     dev = torch.device(device)
     interpreted = ops.interpreting()
-    failures = 0
+    failures = passed = 0
     start = time.perf_counter()
     for case in all_cases():
+        assert case.family in FAMILIES, case
         if only and not any(w in case.name or w in case.tags for w in only):
+            continue
+        if family and case.family != family:
             continue
         if interpreted and not case.interpret:
             print(f"SKIP  {case.name} (too large for the interpreter)")
@@ -308,23 +354,25 @@ def run(device: str, only: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         try:
             err = case.run(dev)
+            passed += 1
             print(f"ok    {case.name}: max abs error {err:.2e} ({time.perf_counter() - t0:.1f} s)", flush=True)
         except Exception as exc:  # report every case, then fail
             failures += 1
             print(f"FAIL  {case.name}: {type(exc).__name__}: {exc}", flush=True)
-    print(f"{failures} failed, {time.perf_counter() - start:.1f} s, device {device}, "
+    print(f"{passed} passed, {failures} failed, {time.perf_counter() - start:.1f} s, device {device}, "
           f"{'interpreter' if interpreted else 'compiled'}")
-    return 1 if failures else 0
+    return 1 if failures or not passed else 0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", nargs="*", help="run the cases whose name or tag contains one of these words")
+    ap.add_argument("--family", choices=FAMILIES, help="run one family of cases")
     args = ap.parse_args()
     if args.device == "cpu" and not ops.interpreting():
         ap.error("on CPU the kernels run under Triton's interpreter: set TRITON_INTERPRET=1")
-    sys.exit(run(args.device, args.only))
+    sys.exit(run(args.device, args.only, args.family))
 
 
 if __name__ == "__main__":
