@@ -1,0 +1,431 @@
+"""Draft attention over compressed KV against full-KV decode attention, one layer, on a GPU.
+
+For each head shape (Llama-3-8B: 32 query / 8 KV heads; Llama-70B per GPU at 8-way tensor
+parallelism: 8 / 1), context (8k / 32k / 128k) and batch (1 / 8 / 32), bf16, one decode step
+of one layer mid-round (16 provisional draft tokens):
+
+  draft    the kernels of sgl_vericache.kernels over each compressor's entry: kivi4, kivi2
+           (group 32, residual 128), int8, fp8 (per-head scale), the droppers at 4x (StreamingLLM,
+           SnapKV and H2O share one kernel: dense kept tokens) and Quest at 4x (page bounds +
+           choice + attention over the chosen pages)
+  full     torch SDPA (enable_gqa) and a Triton paged decode over SGLang's pool layout
+           ([slots, H, D] + a token table), both over the whole KV
+
+Each row: median GPU time (a CUDA graph of the call, L2 flushed before each replay), bytes
+the call reads, achieved GB/s and share of the HBM peak (--hbm-tbps, H200 4.8), and the
+speedup over the faster full-KV baseline. The entries are synthetic (random codes and
+scales in each compressor's exact layout): timing does not depend on the values.
+
+Then the full-KV host -> device layer loader: one layer's pinned host KV copied to each of
+the 80 layers' device buffers on a side stream with an event per layer, alone and while a
+draft round (draft_len x 80 kernel calls, one CUDA graph) runs on the main stream: GB/s
+and the share of the transfer the round hides.
+
+    python benchmark/bench_kernels.py --out $OUT/bench_kernels.json    # on a GPU (~3-5 min)
+    TRITON_INTERPRET=1 python benchmark/bench_kernels.py --smoke        # CPU: code paths only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from sgl_vericache.kernels import ops  # noqa: E402
+from sgl_vericache.kernels.packing import FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI, PackedKV, paged_pool  # noqa: E402
+from sgl_vericache.mem_cache.compress import get_compressor  # noqa: E402
+
+SHAPES = {"llama3-8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}  # (H_q, H_kv, D)
+# the acceptance combos (32k x 8) first, so a tight time budget still measures them
+COMBOS = [(32768, 8), (131072, 8), (32768, 32), (8192, 8), (131072, 32), (8192, 32), (32768, 1),
+          (131072, 1), (8192, 1)]
+METHODS = {"kivi4": {"group_size": 32, "residual_length": 128}, "kivi2": {"group_size": 32, "residual_length": 128},
+           "int8": {}, "fp8": {"scale": "head"}, "droppers": {}, "quest": {}}
+TUNE_CONFIGS = [(64, 4), (32, 4), (128, 8), (64, 8)]  # (block_n, num_warps)
+EXTRAS = 16  # provisional tokens seen (draft step 16 of 32)
+RATIO = 4.0
+
+
+# ---------------------------------------------------------------- synthetic entries
+
+
+def _rand(shape, dtype, device, gen):
+    if dtype in (torch.uint8, torch.int8):
+        low = -128 if dtype == torch.int8 else 0
+        return torch.randint(low, low + 256, shape, dtype=torch.int16, device=device, generator=gen).to(dtype)
+    return torch.randn(shape, dtype=torch.float32, device=device, generator=gen).to(dtype)
+
+
+def synth_entry(method: str, batch: int, context: int, kv_heads: int, head_dim: int, device, gen) -> PackedKV:
+    """`batch` entries of `context` tokens, end to end, in the compressor's layout."""
+    bf16, f16 = torch.bfloat16, torch.float16
+    comp = get_compressor("snapkv" if method == "droppers" else method, RATIO, **METHODS[method])
+    lens_of = lambda n: [n] * batch  # noqa: E731
+    starts = lambda n: [i * n for i in range(batch)]  # noqa: E731
+    h, d = kv_heads, head_dim
+    if method.startswith("kivi"):
+        tq = comp.quantized_len(context)
+        nq, nr, group = batch * tq, batch * (context - tq), comp.options["group_size"]
+        dp = d * comp.bits // 8
+        scale = lambda *s: (_rand(s, torch.float32, device, gen).abs() * 0.05 + 0.01).to(f16)  # noqa: E731
+        return PackedKV(FMT_KIVI, h, d, bf16, _rand((nq, h, dp), torch.uint8, device, gen),
+                        _rand((nq, h, dp), torch.uint8, device, gen), starts(tq), lens_of(tq),
+                        scale(nq // group, h, d), _rand((nq // group, h, d), f16, device, gen),
+                        scale(nq, h, d // group), _rand((nq, h, d // group), f16, device, gen),
+                        _rand((nr, h, d), bf16, device, gen), _rand((nr, h, d), bf16, device, gen),
+                        starts(context - tq), lens_of(context - tq), bits=comp.bits, token_group=group,
+                        channel_group=min(group, d))
+    if method in ("int8", "fp8"):
+        n = batch * context
+        codes = lambda: _rand((n, h, d), torch.uint8 if method == "fp8" else torch.int8, device, gen)  # noqa: E731
+        if method == "int8":
+            sc = lambda: (_rand((n, h, 1), torch.float32, device, gen).abs() * 0.02).to(f16)  # noqa: E731
+        else:
+            sc = lambda: _rand((batch, h), torch.float32, device, gen).abs() * 0.01  # noqa: E731
+        fmt = FMT_INT8 if method == "int8" else FMT_FP8
+        return PackedKV(fmt, h, d, bf16, codes(), codes(), starts(context), lens_of(context), k_scale=sc(),
+                        v_scale=sc(), head_scale=method == "fp8")
+    if method == "droppers":
+        kept = comp.budget(context)
+        kv = lambda: _rand((batch * kept, h, d), bf16, device, gen)  # noqa: E731
+        return PackedKV(FMT_DENSE, h, d, bf16, kv(), kv(), starts(kept), lens_of(kept))
+    assert method == "quest", method
+    pages = comp.num_pages(context)
+    kv = lambda: _rand((batch * context, h, d), bf16, device, gen)  # noqa: E731
+    low = _rand((batch * pages, h, d), bf16, device, gen)
+    return PackedKV(FMT_DENSE, h, d, bf16, kv(), kv(), starts(context), lens_of(context),
+                    page_min=low, page_max=(low.float() + 1).to(bf16), page_start=starts(pages),
+                    pages_read=[comp.pages_read(context)] * batch, page_size=comp.options["page_size"])
+
+
+def read_bytes(packed: PackedKV, context: int, batch: int) -> int:
+    """Bytes one call reads (extras, queries and output are < 0.1% and left out)."""
+    if not packed.page_size:
+        return packed.nbytes()
+    per_token = 2 * packed.num_kv_heads * packed.head_dim * 2
+    tokens = min(context, packed.pages_read[0] * packed.page_size)
+    return batch * tokens * per_token + (packed.page_min.nbytes + packed.page_max.nbytes)
+
+
+def full_bytes(context: int, batch: int, kv_heads: int, head_dim: int) -> int:
+    return 2 * batch * context * kv_heads * head_dim * 2  # K and V, bf16
+
+
+# ---------------------------------------------------------------- timing
+
+
+class Timer:
+    """Median GPU milliseconds of fn: captured once in a CUDA graph, L2 flushed before each
+    replay (so a 4 MB layer is read from HBM, as in a real step), events around the replay.
+    Off CUDA (the --smoke run): wall time of eager calls."""
+
+    def __init__(self, device: torch.device, reps: int, hbm_bytes_per_s: float):
+        self.device, self.reps, self.hbm = device, reps, hbm_bytes_per_s
+        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+
+    def __call__(self, fn) -> tuple[float, str]:
+        fn()
+        if self.flush is None:
+            t0 = time.perf_counter()
+            fn()
+            return 1e3 * (time.perf_counter() - t0), "eager, cpu"
+        torch.cuda.synchronize()
+        run, mode = fn, "eager"
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run, mode = graph.replay, "cuda graph"
+        except Exception as exc:  # noqa: BLE001 - time it eagerly instead, and say so
+            mode = f"eager ({type(exc).__name__}: {exc})"[:200]
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(self.reps)]
+        for start, end in events:
+            self.flush.zero_()
+            start.record()
+            run()
+            end.record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in events)
+        return times[len(times) // 2], mode
+
+
+# ---------------------------------------------------------------- one combination
+
+
+def _draft_call(packed, q, ke, ve, config):
+    rows = packed.rows()
+    ext_add = 0 if ke is None else EXTRAS  # full-KV decoding has no provisional tokens
+    return lambda: ops.decode_attention(packed, q, 1 / math.sqrt(q.shape[-1]), rows, ke, ve, ext_add=ext_add,
+                                        config=config)
+
+
+def bench_combo(shape_name, context, batch, timer, configs, device, gen) -> list[dict]:
+    hq, hkv, d = SHAPES[shape_name]
+    full = full_bytes(context, batch, hkv, d)
+    q = _rand((batch, hq, d), torch.bfloat16, device, gen)
+    ke, ve = (_rand((batch, 32, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
+    base = {"shape": shape_name, "context": context, "batch": batch, "full_kv_bytes": full}
+    rows = []
+    for method in METHODS:
+        def draft(method=method):
+            packed = synth_entry(method, batch, context, hkv, d, device, gen)
+            return _draft_call(packed, q, ke, ve, configs[method]), read_bytes(packed, context, batch)
+        rows.append(_measure(base, "draft", method, draft, timer))
+    pool_k, pool_v = (_rand((batch * context, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
+    table = torch.arange(batch * context, dtype=torch.int32, device=device)  # SGLang's slots, allocated in order
+    pool = paged_pool(pool_k, pool_v, table, [context] * batch)
+    rows.append(_measure(base, "full", "triton_paged", lambda: (
+        _draft_call(pool, q, None, None, configs["droppers"]), full + table.nbytes), timer))
+    if device.type == "cuda":  # SDPA over the same pool, viewed [B, H, T, D] (strided, as SGLang's)
+        k4 = pool_k.view(batch, context, hkv, d).transpose(1, 2)
+        v4 = pool_v.view(batch, context, hkv, d).transpose(1, 2)
+        q4 = q[:, :, None, :]
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa: E731
+        rows.append(_measure(base, "full", "torch_sdpa", lambda: (sdpa, full), timer))
+    timed = [r for r in rows if "ms" in r]
+    best_full = min((r["ms"] for r in timed if r["kind"] == "full"), default=None)
+    for r in timed:
+        r["speedup_vs_full"] = best_full / r["ms"] if best_full else None
+    return rows
+
+
+def _measure(base, kind, method, build, timer) -> dict:
+    """One row; a failure (out of memory, a backend that refuses) is recorded, not fatal."""
+    try:
+        fn, nbytes = build()
+        ms, mode = timer(fn)
+        return _row(base, kind, method, ms, nbytes, mode, timer)
+    except Exception as exc:  # noqa: BLE001
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {**base, "kind": kind, "method": method, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def _row(base, kind, method, ms, nbytes, mode, timer) -> dict:
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return {**base, "kind": kind, "method": method, "ms": ms, "bytes_read": nbytes,
+            "read_ratio": base["full_kv_bytes"] / nbytes, "GBps": gbps, "hbm_fraction": gbps * 1e9 / timer.hbm,
+            "timing": mode}
+
+
+def tune(timer, device, gen, context, batch, shape_name="llama3-8b") -> tuple[dict, list]:
+    """Per method, the fastest (block_n, num_warps) at one combination; used everywhere."""
+    hq, hkv, d = SHAPES[shape_name]
+    q = _rand((batch, hq, d), torch.bfloat16, device, gen)
+    ke, ve = (_rand((batch, 32, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
+    best, log = {}, []
+    for method in METHODS:
+        packed = synth_entry(method, batch, context, hkv, d, device, gen)
+        timed = []
+        for block_n, warps in TUNE_CONFIGS:
+            cfg = ops.LaunchConfig(block_n=block_n, num_warps=warps)
+            ms, _ = timer(_draft_call(packed, q, ke, ve, cfg))
+            timed.append((ms, cfg))
+            log.append({"method": method, "block_n": block_n, "num_warps": warps, "ms": ms})
+        best[method] = min(timed, key=lambda t: t[0])[1]
+        del packed
+    return best, log
+
+
+# ---------------------------------------------------------------- the layer loader
+
+
+def bench_loader(timer, device, gen, context=32768, batch=8, layers=80, draft_len=30, method="kivi4",
+                 shape_name="llama70b-tp8", config=ops.LaunchConfig()) -> dict:
+    """The full KV of ``batch`` requests streamed host -> device layer by layer (pinned
+    memory, a side stream, an event per layer) alone, and beside a draft round of
+    ``draft_len`` steps over every layer (the kernels, one CUDA graph) on the main stream."""
+    hq, hkv, d = SHAPES[shape_name]
+    layer_elems = full_bytes(context, batch, hkv, d) // 2
+    host = torch.empty(layer_elems, dtype=torch.bfloat16, pin_memory=True)  # every layer copies from it
+    dev = [torch.empty(layer_elems, dtype=torch.bfloat16, device=device) for _ in range(layers)]
+    entries = [synth_entry(method, batch, context, hkv, d, device, gen) for _ in range(layers)]
+    tables = [e.rows() for e in entries]
+    q = _rand((batch, hq, d), torch.bfloat16, device, gen)
+    ke, ve = (_rand((batch, 32, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
+    scale = 1 / math.sqrt(d)
+
+    def draft_round():
+        for _ in range(draft_len):
+            for e, t in zip(entries, tables):
+                ops.decode_attention(e, q, scale, t, ke, ve, ext_add=EXTRAS, config=config)
+
+    draft_round()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        draft_round()
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    arrived = [ev() for _ in range(layers)]
+
+    def run(copy: bool, draft: bool) -> float:
+        torch.cuda.synchronize()
+        start, end = ev(), ev()
+        start.record(main)
+        if copy:
+            side.wait_event(start)
+            with torch.cuda.stream(side):
+                for i in range(layers):
+                    dev[i].copy_(host, non_blocking=True)
+                    arrived[i].record(side)
+        if draft:
+            graph.replay()
+        if copy:
+            main.wait_stream(side)
+        end.record(main)
+        torch.cuda.synchronize()
+        if copy:
+            run.arrivals = [start.elapsed_time(a) for a in arrived]
+        return start.elapsed_time(end)
+
+    run(True, False)  # warm the copy engine
+    t_copy = min(run(True, False) for _ in range(3))
+    arrivals = run.arrivals
+    t_draft = min(run(False, True) for _ in range(3))
+    t_both = min(run(True, True) for _ in range(3))
+    total = layers * layer_elems * 2
+    return {"shape": shape_name, "context": context, "batch": batch, "layers": layers, "draft_len": draft_len,
+            "draft_method": method, "bytes": total, "copy_ms": t_copy, "GBps": total / (t_copy * 1e-3) / 1e9,
+            "layer_arrival_ms": {"first": arrivals[0], "median": arrivals[layers // 2], "last": arrivals[-1]},
+            "draft_round_ms": t_draft, "both_ms": t_both,
+            "transfer_hidden_fraction": max(0.0, min(1.0, (t_copy + t_draft - t_both) / t_copy)),
+            "draft_round_over_transfer": t_draft / t_copy,
+            "note": "draft round = attention only (draft_len x layers kernel calls); a real round also reads "
+                    "the weights every pass, which only makes it longer and the transfer easier to hide. "
+                    "One pinned layer buffer is the source of every layer's copy (same DMA cost as 80)."}
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+def _fits(context, batch, hkv, d, device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return True, ""
+    need = 1.4 * full_bytes(context, batch, hkv, d) + 2**30  # the pool, or Quest's full copy + bounds
+    free = torch.cuda.mem_get_info(device)[0]
+    return need < 0.9 * free, f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+
+
+def targets(rows: list[dict]) -> dict:
+    """Issue 27's kernel targets, where measured: quantizers >= 70% of HBM at 32k x 8, and
+    draft attention at 4x (droppers, Quest) >= 3x faster than full-KV attention at >= 32k."""
+    quant = [r for r in rows if r["kind"] == "draft" and r["method"] in ("kivi4", "kivi2", "int8", "fp8")
+             and r["context"] == 32768 and r["batch"] == 8]
+    at4x = [r for r in rows if r["kind"] == "draft" and r["method"] in ("droppers", "quest") and r["context"] >= 32768]
+    out = {"quantizer_hbm_fraction_32k_b8": {f"{r['shape']}/{r['method']}": r["hbm_fraction"] for r in quant},
+           "speedup_4x_32k_up": {f"{r['shape']}/{r['method']}/{r['context']}x{r['batch']}": r["speedup_vs_full"]
+                                 for r in at4x}}
+    # None: not measured (no such rows)
+    out["quantizers_at_70pct"] = all(r["hbm_fraction"] >= 0.7 for r in quant) if quant else None
+    out["draft_4x_at_3x"] = all(r["speedup_vs_full"] >= 3 for r in at4x) if at4x else None
+    return out
+
+
+def _provenance(device) -> dict:
+    import triton
+
+    root = Path(__file__).resolve().parents[1]
+    try:  # the GPU machine gets a working tree, maybe without .git or git
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter smoke run)"
+    return {"commit": commit or os.environ.get("VERICACHE_COMMIT", "unknown"), "gpu": gpu, "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(), "host": platform.node()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default_out = Path(os.environ["OUT"]) / "bench_kernels.json" if os.environ.get("OUT") else None
+    ap.add_argument("--out", type=Path, default=default_out, help="JSON result (default: $OUT/bench_kernels.json)")
+    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="the device's HBM peak, TB/s (H200: 4.8)")
+    ap.add_argument("--budget-s", type=float, default=300, help="stop starting new combinations after this")
+    ap.add_argument("--reps", type=int, default=20, help="timed replays per measurement (median)")
+    ap.add_argument("--no-tune", action="store_true", help="skip the launch-size search")
+    ap.add_argument("--no-loader", action="store_true", help="skip the host -> device loader measurement")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (CPU: TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not (args.smoke and ops.interpreting()):
+        ap.error("without CUDA only --smoke runs, under TRITON_INTERPRET=1")
+    started = time.monotonic()
+    gen = torch.Generator(device=device).manual_seed(0)
+    timer = Timer(device, 2 if args.smoke else args.reps, args.hbm_tbps * 1e12)
+    combos = [(256, 2), (200, 1)] if args.smoke else COMBOS
+    shapes = {"llama70b-tp8"} if args.smoke else set(SHAPES)
+    configs = {m: ops.LaunchConfig(block_n=16 if args.smoke else ops.DEFAULT_BLOCK_N) for m in METHODS}
+    result = {"generated": time.strftime("%Y-%m-%d %H:%M:%S"), **_provenance(device), "hbm_bytes_per_s": timer.hbm,
+              "dtype": "bf16", "extras_seen": EXTRAS, "methods": METHODS, "ratio_droppers_quest": RATIO,
+              "smoke": args.smoke, "rows": [], "skipped": []}
+    if not (args.no_tune or args.smoke):
+        try:
+            best, result["tuning"] = tune(timer, device, gen, 32768, 8)
+            configs.update(best)
+        except Exception as exc:  # noqa: BLE001 - measure with the defaults instead
+            result["tuning"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    result["launch"] = {m: {"block_n": c.block_n, "num_warps": c.num_warps} for m, c in configs.items()}
+    for context, batch in combos:
+        for shape_name in SHAPES:
+            if shape_name not in shapes:
+                continue
+            combo = {"shape": shape_name, "context": context, "batch": batch}
+            ok, why = _fits(context, batch, SHAPES[shape_name][1], SHAPES[shape_name][2], device)
+            if time.monotonic() - started > args.budget_s:
+                ok, why = False, f"time budget {args.budget_s:.0f} s spent"
+            if not ok:
+                result["skipped"].append({**combo, "reason": why})
+                print(f"skip {shape_name} {context}x{batch}: {why}", flush=True)
+                continue
+            rows = bench_combo(shape_name, context, batch, timer, configs, device, gen)
+            result["rows"] += rows
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(f"{shape_name:13s} {context:6d} x {batch:2d}: " + ", ".join(_brief(r) for r in rows), flush=True)
+            _write(args.out, result)  # partial results survive a timeout
+    if device.type == "cuda" and not args.no_loader:
+        try:
+            result["loader"] = loader = bench_loader(timer, device, gen, config=configs["kivi4"])
+            print(f"loader: {loader['GBps']:.1f} GB/s, {loader['transfer_hidden_fraction']:.2f} of the transfer "
+                  f"hidden behind a draft round ({loader['draft_round_ms']:.1f} ms vs {loader['copy_ms']:.1f} ms)")
+        except Exception as exc:  # noqa: BLE001
+            result["loader"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    result["targets"] = targets([r for r in result["rows"] if "ms" in r])
+    result["seconds"] = time.monotonic() - started
+    print(f"bench_kernels: {len(result['rows'])} rows, {len(result['skipped'])} skipped, targets "
+          f"quantizers>=70%: {result['targets']['quantizers_at_70pct']}, 4x>=3x: {result['targets']['draft_4x_at_3x']},"
+          f" {result['seconds']:.0f} s")
+    if args.out:
+        _write(args.out, result)
+        print(f"wrote {args.out}")
+
+
+def _brief(r: dict) -> str:
+    if "error" in r:
+        return f"{r['method']} ERROR {r['error'][:60]}"
+    return f"{r['method']} {r['ms']:.3f} ms {100 * r['hbm_fraction']:.0f}% {r['speedup_vs_full']:.2f}x"
+
+
+def _write(path, result) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
