@@ -22,6 +22,13 @@ that dense copy, so for quantizers as built today the effective ratio is 1.
 
     python benchmark/cost_model.py --paper --calibrate --out benchmark/results/cost_model.json
     python benchmark/cost_model.py --measured benchmark/results/decode.json --calibrate
+    python benchmark/cost_model.py --gpu-kernels bench_kernels.json   # a GPU's measured attention terms
+
+``--gpu-kernels`` replaces the roofline's ideal attention (every KV byte at the HBM peak) with
+what bench_kernels.py measured on a GPU: the share of the peak reached by full-KV decode
+attention and by each compressor's draft kernel (which reads the compressed entry in place,
+so quantizers too save draft bandwidth there), each compressor's read ratio, and the host
+link's measured GB/s; then projects the paper's Llama-70B setting with them.
 """
 
 from __future__ import annotations
@@ -526,6 +533,80 @@ def measured_report(path: Path, hw: Hardware, nominal_ratio: float, fit_overhead
     return {"fitted_step_overhead_s": fitted if fit_overhead else None, "hardware": asdict(hw), "rows": out}
 
 
+# ---------------------------------------------------------------- GPU kernel terms (bench_kernels.py)
+
+PROJECTION_METHODS = ("kivi4", "kivi2", "int8", "fp8", "droppers")  # Quest keeps the full KV resident: reads only
+GPU_PROJECTION_WHY = (
+    "Acceptance is held at the paper's 23 for every method and the context / concurrency are "
+    "PAPER_ASSUMPTIONS' guesses (32k, 32 offered), so the projection isolates the kernels. The "
+    "attention terms are shares of the HBM peak measured on the bench GPU (an H200) at Llama-70B's "
+    "per-GPU heads under 8-way TP (8 query / 1 KV head), carried over to the paper's 2x H100 NVL "
+    "(TP=2: 32 / 4 heads a GPU); the verify pass is taken to read the full KV as efficiently as "
+    "full-KV decode does. Weights are still read at the roofline, and TP all-reduces, kernel "
+    "launches, sampling and the scheduler cost nothing: the result stays an upper bound.")
+
+
+def gpu_kernel_terms(data: dict, shape: str = "llama70b-tp8", context: int = 32768, batch: int = 8) -> dict:
+    """bench_kernels.py's JSON -> the attention terms at the measured combination nearest
+    (context, batch) for ``shape``: the faster full-KV baseline's and each draft kernel's share
+    of the HBM peak, each draft's read ratio (full KV bytes / bytes it reads), and the host
+    link's GB/s from the loader measurement (None when not measured)."""
+    peak = data["hbm_bytes_per_s"]
+    rows = [r for r in data.get("rows", []) if r.get("shape") == shape and "ms" in r]
+    combos = {(r["context"], r["batch"]) for r in rows if r["kind"] == "full"}
+    if not combos:
+        raise ValueError(f"no timed full-KV rows for shape {shape!r} in the bench_kernels JSON")
+    near = min(combos, key=lambda cb: (abs(math.log2(cb[0] / context)), abs(math.log2(cb[1] / batch))))
+    at = [r for r in rows if (r["context"], r["batch"]) == near]
+    full = min((r for r in at if r["kind"] == "full"), key=lambda r: r["ms"])
+    draft = {r["method"]: {"hbm_fraction": r["hbm_fraction"], "read_ratio": r["read_ratio"], "ms": r["ms"],
+                           "speedup_vs_full": full["ms"] / r["ms"]} for r in at if r["kind"] == "draft"}
+    loader = data.get("loader") or {}
+    return {"shape": shape, "context": near[0], "batch": near[1], "hbm_bytes_per_s": peak,
+            "full": {"method": full["method"], "hbm_fraction": full["hbm_fraction"], "ms": full["ms"]},
+            "draft": draft, "host_link_GBps": loader.get("GBps"), "gpu": data.get("gpu"),
+            "commit": data.get("commit"), "smoke": bool(data.get("smoke"))}
+
+
+def gpu_projection(terms: dict) -> dict:
+    """The paper's Llama-70B example (paper_report's assumptions and hardware) with the
+    measured attention terms, per compressor, beside the roofline's prediction."""
+    a, shape, hw0 = PAPER_ASSUMPTIONS, llama_70b(), h100_nvl_x2()
+    full_bw = terms["full"]["hbm_fraction"] * hw0.mem_bw
+    link = hw0.host_link_bw if not terms["host_link_GBps"] else 2 * terms["host_link_GBps"] * GB  # one link a GPU
+    roofline = paper_report()["prediction"]
+    methods = {}
+    for name in PROJECTION_METHODS:
+        if name not in terms["draft"]:
+            continue
+        d = terms["draft"][name]
+        hw = replace(hw0, full_kv_bw=full_bw, verify_kv_bw=full_bw, draft_kv_bw=d["hbm_fraction"] * hw0.mem_bw,
+                     host_link_bw=link)
+        p = predict(shape, hw, a["context"], a["offered_batch"], a["dtype_bytes"], d["read_ratio"], a["draft_len"],
+                    acc_len=a["acc_len"])
+        methods[name] = {"read_ratio": d["read_ratio"], "tok_s": p["tok_s"], "batch": p["batch"],
+                         "best_speedup": p["best_speedup"],
+                         "vericache_over_paper": p["tok_s"]["vericache_offloaded"] / PAPER["vericache_tok_s"],
+                         "full_over_paper": p["tok_s"]["full_resident"] / PAPER["full_kv_tok_s"]}
+    return {"terms": terms, "host_link_bw": link, "paper": PAPER, "assumptions": a,
+            "roofline": {"tok_s": roofline["tok_s"], "best_speedup": roofline["best_speedup"]},
+            "methods": methods, "why": GPU_PROJECTION_WHY}
+
+
+def _print_gpu(rep: dict) -> None:
+    t = rep["terms"]
+    print(f"GPU attention terms ({t['gpu']}, {t['shape']} at {t['context']} x {t['batch']}{', SMOKE RUN' if t['smoke'] else ''}):"
+          f" full-KV {t['full']['method']} {100 * t['full']['hbm_fraction']:.0f}% of HBM")
+    r = rep["roofline"]
+    print(f"  roofline: full {r['tok_s']['full_resident']:.1f}, VeriCache {r['tok_s']['vericache_offloaded']:.1f} tok/s"
+          f" ({r['best_speedup']:.2f}x); paper {PAPER['full_kv_tok_s']:.0f} -> {PAPER['vericache_tok_s']:.0f}")
+    for name, m in rep["methods"].items():
+        draft = t["draft"][name]
+        print(f"  {name:<9} draft {100 * draft['hbm_fraction']:3.0f}% of HBM, reads 1/{m['read_ratio']:.2f}: full "
+              f"{m['tok_s']['full_resident']:6.1f}, VeriCache {m['tok_s']['vericache_offloaded']:6.1f} tok/s "
+              f"({m['best_speedup']:.2f}x; {m['vericache_over_paper']:.2f} of the paper's 256)")
+
+
 def _provenance() -> dict:
     import os
     import platform
@@ -576,16 +657,21 @@ def main() -> None:
                     help="with --measured: fit a per-forward-pass overhead to the speculation-off arm first")
     ap.add_argument("--measured", type=Path, help="a bench_decode.py JSON: predicted vs measured per row")
     ap.add_argument("--ratio", type=float, default=4.0, help="compression ratio of measured rows without one")
+    ap.add_argument("--gpu-kernels", type=Path,
+                    help="a bench_kernels.py JSON: project the paper's Llama-70B with its measured attention terms")
     ap.add_argument("--out", type=Path, help="write the JSON here")
     args = ap.parse_args()
-    if not (args.paper or args.calibrate or args.measured or args.cpu_mem_bw):
-        ap.error("nothing to do: give --paper, --calibrate, --cpu-mem-bw/--cpu-flops or --measured")
+    if not (args.paper or args.calibrate or args.measured or args.cpu_mem_bw or args.gpu_kernels):
+        ap.error("nothing to do: give --paper, --calibrate, --cpu-mem-bw/--cpu-flops, --measured or --gpu-kernels")
     if args.fit_overhead and not args.measured:
         ap.error("--fit-overhead needs --measured (the off arm it is fitted to)")
     result: dict = {"generated": time.strftime("%Y-%m-%d %H:%M:%S"), **_provenance()}
     if args.paper:
         result["paper"] = paper_report()
         _print_paper(result["paper"])
+    if args.gpu_kernels:
+        result["gpu_projection"] = gpu_projection(gpu_kernel_terms(json.loads(args.gpu_kernels.read_text())))
+        _print_gpu(result["gpu_projection"])
     hw = None
     attention = {}
     if args.calibrate:

@@ -216,3 +216,70 @@ def test_fitted_overhead_recovers_a_known_one(tmp_path):
     for r in rep["rows"]:
         assert r["tok_s_off"]["predicted"] == pytest.approx(r["tok_s_off"]["measured"])
     assert cm.measured_report(path, CPU, 4.0)["fitted_step_overhead_s"] is None
+
+
+def _bench_kernels_json(draft_fraction=0.7, full_fraction=0.8, loader_gbps=50.0):
+    """A small bench_kernels.py result: Llama-70B/TP8 heads at 32k x 8 (and one far-off combo)."""
+    peak, full_bytes = 4.8e12, 2 * 8 * 32768 * 1 * 128 * 2
+
+    def row(kind, method, fraction, read_ratio=1.0, context=32768, batch=8):
+        nbytes = full_bytes / read_ratio
+        ms = nbytes / (fraction * peak) * 1e3
+        return {"shape": "llama70b-tp8", "context": context, "batch": batch, "full_kv_bytes": full_bytes,
+                "kind": kind, "method": method, "ms": ms, "bytes_read": nbytes, "read_ratio": read_ratio,
+                "hbm_fraction": fraction}
+
+    rows = [row("full", "triton_paged", full_fraction), row("full", "torch_sdpa", full_fraction / 2),
+            row("draft", "kivi4", draft_fraction, 3.2), row("draft", "droppers", draft_fraction, 4.0),
+            row("draft", "int8", draft_fraction, 1.97),
+            row("full", "triton_paged", 0.1, context=8192, batch=1),
+            {"shape": "llama70b-tp8", "context": 32768, "batch": 8, "kind": "draft", "method": "kivi2",
+             "error": "OutOfMemoryError"}]
+    return {"hbm_bytes_per_s": peak, "gpu": "synthetic", "rows": rows, "loader": {"GBps": loader_gbps}}
+
+
+def test_gpu_kernel_terms_pick_the_nearest_combo_and_the_faster_baseline():
+    terms = cm.gpu_kernel_terms(_bench_kernels_json(), context=32768, batch=8)
+    assert (terms["context"], terms["batch"]) == (32768, 8)
+    assert terms["full"]["method"] == "triton_paged" and terms["full"]["hbm_fraction"] == pytest.approx(0.8)
+    assert terms["draft"]["kivi4"]["read_ratio"] == pytest.approx(3.2)
+    assert terms["draft"]["droppers"]["speedup_vs_full"] == pytest.approx(4.0 * 0.7 / 0.8)
+    assert "kivi2" not in terms["draft"]  # a row that failed to run carries no terms
+    assert terms["host_link_GBps"] == 50.0
+    far = cm.gpu_kernel_terms(_bench_kernels_json(), context=4096, batch=1)
+    assert (far["context"], far["batch"]) == (8192, 1)
+    with pytest.raises(ValueError, match="no timed full-KV rows for shape 'llama3-8b'"):
+        cm.gpu_kernel_terms(_bench_kernels_json(), shape="llama3-8b")
+
+
+def test_gpu_projection_uses_the_measured_attention_terms():
+    """Measured efficiencies below the peak can only slow both arms relative to the roofline;
+    a slower draft kernel lowers VeriCache's projection and leaves the full-KV arm alone; at
+    the peak with the roofline's link the projection is the roofline's (paper_report)."""
+    proj = cm.gpu_projection(cm.gpu_kernel_terms(_bench_kernels_json()))
+    roof = proj["roofline"]["tok_s"]
+    for name in ("kivi4", "droppers", "int8"):
+        m = proj["methods"][name]
+        assert m["tok_s"]["full_resident"] < roof["full_resident"]
+        assert 0 < m["tok_s"]["vericache_offloaded"] and m["vericache_over_paper"] == pytest.approx(
+            m["tok_s"]["vericache_offloaded"] / 256)
+    assert proj["methods"]["droppers"]["tok_s"]["vericache_offloaded"] > proj["methods"]["int8"]["tok_s"][
+        "vericache_offloaded"]  # reads 1/4 against 1/2, at the same efficiency
+    slow = cm.gpu_projection(cm.gpu_kernel_terms(_bench_kernels_json(draft_fraction=0.2)))["methods"]["kivi4"]
+    assert slow["tok_s"]["vericache_offloaded"] < proj["methods"]["kivi4"]["tok_s"]["vericache_offloaded"]
+    assert slow["tok_s"]["full_resident"] == proj["methods"]["kivi4"]["tok_s"]["full_resident"]
+    ideal = _bench_kernels_json(draft_fraction=1.0, full_fraction=1.0, loader_gbps=64.0)
+    at_peak = cm.gpu_projection(cm.gpu_kernel_terms(ideal))["methods"]["droppers"]
+    assert at_peak["tok_s"]["full_resident"] == pytest.approx(roof["full_resident"])
+    assert at_peak["tok_s"]["vericache_offloaded"] == pytest.approx(roof["vericache_offloaded"])
+    assert "upper bound" in proj["why"]
+
+
+def test_cli_gpu_kernels_writes_the_projection(tmp_path, monkeypatch, capsys):
+    src, out = tmp_path / "bench_kernels.json", tmp_path / "cm.json"
+    src.write_text(json.dumps(_bench_kernels_json()))
+    monkeypatch.setattr(sys, "argv", ["cost_model.py", "--gpu-kernels", str(src), "--out", str(out)])
+    cm.main()
+    result = json.loads(out.read_text())
+    assert set(result["gpu_projection"]["methods"]) == {"kivi4", "droppers", "int8"}
+    assert "of the paper's 256" in capsys.readouterr().out
