@@ -53,8 +53,41 @@ def test_request_overrides():
         request_config({"vericache_draft_len": 17}, server)
     with pytest.raises(ValueError, match="unknown custom_params key 'vericache_speed'"):
         request_config({"vericache_speed": 2}, server)
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="custom_params vericache_ratio 0.1 is out of range"):
         request_config({"vericache_ratio": 0.1}, server)
+    cfg = request_config({"vericache_compressor_options": {"group_size": 16, "residual_length": 8}}, server)
+    assert cfg.options() == {"group_size": "16", "residual_length": "8"}
+
+
+@pytest.mark.parametrize("params, message", [
+    # the two bodies that once took the server down (issue 29): now each names its key
+    ({"vericache_compressor_options": {"a": 1}}, "unknown option"),
+    ({"vericache_draft_len": 4.5}, "vericache_draft_len 4.5 is not an integer"),
+    ({"vericache_draft_len": True}, "vericache_draft_len True is not an integer"),
+    ({"vericache_draft_len": "4"}, "vericache_draft_len '4' is not an integer"),
+    ({"vericache_draft_len": 0}, "vericache_draft_len 0 is out of range"),
+    ({"vericache_ratio": "x"}, "vericache_ratio 'x' is not a number"),
+    ({"vericache_ratio": float("inf")}, "vericache_ratio inf is not a number"),
+    ({"vericache_compressor": 3}, "vericache_compressor 3 is not a string"),
+    ({"vericache_compressor": "nope"}, "vericache_compressor 'nope' is not one of"),
+    ({"vericache_compressor_options": [1]}, "vericache_compressor_options \\[1\\] is not a string"),
+    ({"vericache_compressor_options": {"group_size": [1]}}, "option 'group_size'"),
+    ({"vericache_compressor_options": "group_size=x"}, "group_size='x' is invalid"),
+    ("not an object", "custom_params 'not an object' is not an object"),
+])
+def test_bad_request_overrides_name_their_key(params, message):
+    """Every malformed override is a ValueError (the request's 400), never another error
+    type that would escape the round's plan and stop the scheduler."""
+    with pytest.raises(ValueError, match=message):
+        request_config(params, VeriCacheConfig(draft_len=16))
+
+
+def test_flag_values_are_type_checked():
+    with pytest.raises(ValueError, match="--vericache-draft-len 4.5 is not an integer"):
+        VeriCacheConfig(draft_len=4.5)
+    with pytest.raises(ValueError, match="--vericache-enable 1 is not true or false"):
+        VeriCacheConfig(enable=1)
+    assert VeriCacheConfig(ratio=8).ratio == 8  # an integer is a number
 
 
 def _kv(tokens, heads=3, dim=16, seed=0):
@@ -396,23 +429,6 @@ def test_draft_weights_auto_is_fp16_for_small_products_of_fp32_models_only():
     assert not torch.equal(dw.linear(small, w), torch.nn.functional.linear(small, w))  # the fp16 copy
     assert torch.equal(dw.linear(big, w), torch.nn.functional.linear(big, w)) and calls == [3]
     assert torch.equal(dw.linear(big[None], w), torch.nn.functional.linear(big[None], w)) and calls == [3, 1]
-
-
-def test_every_flag_has_a_row_in_the_readme_flag_table():
-    """The README's Flags table names every ``--vericache-*`` flag the config defines (a new
-    field without its row fails here), and nothing in it that the config lacks."""
-    import dataclasses
-    import re
-    from pathlib import Path
-
-    from sgl_vericache.config import _flag
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme[readme.index("## Flags"):readme.index("## Metrics")]
-    flags = {_flag(f.name) for f in dataclasses.fields(VeriCacheConfig)}
-    rows = set(re.findall(r"^\| `(--vericache-[a-z0-9-]+)", table, flags=re.M))
-    assert flags - rows == set(), f"flags without a README row: {sorted(flags - rows)}"
-    assert rows - flags == set(), f"README rows for flags that do not exist: {sorted(rows - flags)}"
 
 
 def test_a_full_kv_device_budget_brings_the_vericache_radix_backend_and_refuses_others():

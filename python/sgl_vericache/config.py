@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -33,7 +34,8 @@ class VeriCacheConfig:
     draft_weights: str = _opt(
         "auto", "Weights the draft passes multiply by: model (as loaded), fp16 or int8 (a cheaper copy; "
         "verify always uses the model's own, so outputs are unchanged and only acceptance can move); "
-        "auto = fp16 for an fp32 model, else model.",
+        "auto = the fp16 copy for draft products of at most 2 rows of an fp32 model (a CPU without native "
+        "fp16 loses beyond that), the model's own weights otherwise.",
         choices=("auto", "model", "fp16", "int8"),
     )
     cpu_linear: str = _opt(
@@ -127,14 +129,58 @@ def _flag(name: str) -> str:
     return FLAG_PREFIX + name.replace("_", "-")
 
 
-def _validate_field(f: dataclasses.Field, value: Any) -> None:
-    flag = _flag(f.name)
+_KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+_KIND_NAMES = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
+
+
+def _check_type(name: str, f: dataclasses.Field, value: Any) -> None:
+    """``value`` is of ``f``'s type (a JSON number for a float; never a bool for a number)."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    ok = isinstance(value, _KINDS[kind]) and (kind == "bool" or not isinstance(value, bool))
+    if ok and kind == "float" and not math.isfinite(value):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} {value!r} is not {_KIND_NAMES[kind]}; accepted: {_accepted(f).replace('`', '')}")
+
+
+def _validate_field(f: dataclasses.Field, value: Any, name: Optional[str] = None) -> None:
+    """Type, choices and range of one field; errors name it as ``name`` (default: its flag)."""
+    flag = name or _flag(f.name)
+    _check_type(flag, f, value)
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
         raise ValueError(f"{flag} {value!r} is not one of {', '.join(choices)}")
     lo, hi = f.metadata.get("min"), f.metadata.get("max")
     if lo is not None and not (lo <= value <= hi):
         raise ValueError(f"{flag} {value!r} is out of range; accepted: {lo} to {hi}")
+
+
+def _accepted(f: dataclasses.Field) -> str:
+    """What a flag accepts, as the docs say it."""
+    if f.type in ("bool", bool):
+        return "on / off"
+    if f.metadata.get("choices"):
+        return ", ".join(f"`{c}`" for c in f.metadata["choices"])
+    if f.metadata.get("min") is not None:
+        return f"{f.metadata['min']} to {f.metadata['max']}"
+    if f.name == "compressor":
+        from sgl_vericache.mem_cache.compress.registry import available_compressors
+
+        return ", ".join(f"`{c}`" for c in available_compressors())
+    return "text"
+
+
+def flag_table(names: Optional[Sequence[str]] = None) -> str:
+    """A markdown table of the ``--vericache-*`` flags (``names``: these fields only, in
+    this order), generated from ``VeriCacheConfig``: flag, default, accepted values, help."""
+    fields = {f.name: f for f in dataclasses.fields(VeriCacheConfig)}
+    rows = ["| flag | default | accepts | meaning |", "|---|---|---|---|"]
+    for name in names or list(fields):
+        f = fields[name]
+        flag = f"`{_flag(f.name)}` / `--no-{_flag(f.name)[2:]}`" if f.type in ("bool", bool) else f"`{_flag(f.name)}`"
+        default = ("on" if f.default else "off") if f.type in ("bool", bool) else f"`{f.default}`"
+        rows.append(f"| {flag} | {default} | {_accepted(f)} | {f.metadata['help'].replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -170,26 +216,54 @@ def parse_known(argv: Sequence[str]) -> tuple[VeriCacheConfig, list[str]]:
 REQUEST_KEYS = ("compressor", "ratio", "draft_len", "compressor_options")
 
 
-def request_config(custom_params: Optional[dict], server: VeriCacheConfig) -> VeriCacheConfig:
-    """The config one request runs with: the server's, with its overrides applied.
-    A draft length above the server's is refused (the verify width is fixed at start)."""
+def request_config(custom_params: Any, server: VeriCacheConfig) -> VeriCacheConfig:
+    """The config one request runs with: the server's, with its overrides applied. Every
+    bad value raises ValueError naming its key and what is accepted (the request gets a
+    400). ``vericache_compressor_options`` may be a ``name=value,...`` string or an object
+    of option values. A draft length above the server's is refused (the verify width is
+    fixed at start)."""
+    if custom_params is None:
+        return server
+    if not isinstance(custom_params, dict):
+        raise ValueError(f"custom_params {custom_params!r} is not an object")
+    fields = {f.name: f for f in dataclasses.fields(VeriCacheConfig)}
     overrides = {}
-    for key, value in (custom_params or {}).items():
-        if not key.startswith("vericache_"):
+    for key, value in custom_params.items():
+        if not isinstance(key, str) or not key.startswith("vericache_"):
             continue
         name = key[len("vericache_"):]
         if name not in REQUEST_KEYS:
             accepted = ", ".join("vericache_" + k for k in REQUEST_KEYS)
             raise ValueError(f"unknown custom_params key {key!r}; per-request VeriCache keys are: {accepted}")
+        if name == "compressor_options" and isinstance(value, dict):
+            value = _options_text(key, value)
+        _validate_field(fields[name], value, f"custom_params {key}")
+        if name == "compressor":
+            from sgl_vericache.mem_cache.compress.registry import available_compressors
+
+            if value not in available_compressors():
+                raise ValueError(f"custom_params {key} {value!r} is not one of {', '.join(available_compressors())}")
         overrides[name] = value
     if not overrides:
         return server
+    if overrides.get("draft_len", 0) > server.draft_len:
+        raise ValueError(f"custom_params vericache_draft_len {overrides['draft_len']} exceeds the server's "
+                         f"--vericache-draft-len {server.draft_len}; accepted: an integer from 1 to {server.draft_len}")
     try:
         cfg = dataclasses.replace(server, **overrides)
-    except TypeError as exc:
+        cfg.build_compressor()  # bad ratio or options for this method: named here, not at the first round
+    except ValueError as exc:
         raise ValueError(f"bad VeriCache custom_params {overrides!r}: {exc}") from None
-    if cfg.draft_len > server.draft_len:
-        raise ValueError(
-            f"vericache_draft_len {cfg.draft_len} exceeds the server's --vericache-draft-len {server.draft_len}"
-        )
     return cfg
+
+
+def _options_text(key: str, options: dict) -> str:
+    """``{"group_size": 32}`` -> ``"group_size=32"`` (option values: numbers or strings)."""
+    items = []
+    for name, value in options.items():
+        if not isinstance(value, (int, float, str)) or isinstance(value, bool) or any(c in str(value) for c in ",="):
+            raise ValueError(f"custom_params {key} option {name!r}: {value!r} is not a number or a plain string")
+        if any(c in str(name) for c in ",=") or not str(name).strip():
+            raise ValueError(f"custom_params {key}: option name {name!r} is not a plain name")
+        items.append(f"{name}={value}")
+    return ",".join(items)
