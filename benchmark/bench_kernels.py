@@ -50,7 +50,7 @@ COMBOS = [(32768, 8), (131072, 8), (32768, 32), (8192, 8), (131072, 32), (8192, 
           (131072, 1), (8192, 1)]
 METHODS = {"kivi4": {"group_size": 32, "residual_length": 128}, "kivi2": {"group_size": 32, "residual_length": 128},
            "int8": {}, "fp8": {"scale": "head"}, "droppers": {}, "quest": {}}
-TUNE_CONFIGS = [(64, 4), (32, 4), (128, 8), (64, 8)]  # (block_n, num_warps)
+TUNE_CONFIGS = [(32, 4), (64, 4), (32, 8), (64, 8)]  # (block_n, num_warps)
 EXTRAS = 16  # provisional tokens seen (draft step 16 of 32)
 RATIO = 4.0
 

@@ -273,6 +273,8 @@ def _curated() -> list[Case]:
         ("kivi2", {"group_size": 16, "residual_length": 0}, Shape((48, 96), group=8, kv_heads=1), 4),
         ("kivi4", {"group_size": 16, "residual_length": 128}, Shape((60, 9)), 1),  # all in the window
         ("kivi4", KIVI, Shape((37, 70, 5), dtype=f16), 2),
+        ("kivi4", {"group_size": 72, "residual_length": 8}, Shape((150, 80)), 2),  # key scales gathered per token
+        ("kivi2", {"group_size": 4, "residual_length": 4}, Shape((41, 23), head_dim=128), 1),  # 4 groups a block
         ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1), 2),
         ("int8", {}, Shape((50, 17), dtype=b16), 1),
         ("int8", {}, Shape((40, 12), q_dtype=f32, dtype=b16), 1),  # fp32 queries over a bf16 entry

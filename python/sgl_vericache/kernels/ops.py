@@ -70,6 +70,15 @@ def choose_splits(programs: int, longest: int, block_n: int, device: torch.devic
     return _pow2(want)
 
 
+def key_scale_mode(token_group: int, block_n: int) -> int:
+    """How a block of block_n keys finds its per-channel KIVI scales (see _kivi_keys)."""
+    if token_group % block_n == 0:
+        return 1
+    if block_n % token_group == 0 and token_group & (token_group - 1) == 0:
+        return 2
+    return 0
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
@@ -119,6 +128,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         scale * td_log2e(), packed.num_kv_heads, num_q_heads, e_cap, ext_add, splits,
         GROUP=group, GP=max(16, _pow2(group)), D=head_dim, BN=config.block_n,
         FMT=packed.fmt, BITS=packed.bits, QGROUP=packed.token_group, CGROUP=packed.channel_group,
+        KMODE=key_scale_mode(packed.token_group, config.block_n),
         HEAD_SCALE=packed.head_scale, INDEXED=packed.indices is not None, ROUND=rnd, DOT=dot,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -190,6 +200,6 @@ def _combine(m, l, acc, dtype, return_lse):
     num_rows, num_q_heads, splits, head_dim = acc.shape
     out = torch.empty(num_rows, num_q_heads, head_dim, dtype=dtype, device=acc.device)
     lse = torch.empty(num_rows, num_q_heads, dtype=torch.float32, device=acc.device) if return_lse else m
-    td._combine_kernel[(num_rows * num_q_heads,)](m, l, acc, out, lse, splits, SP=splits, D=head_dim,
+    td._combine_kernel[(num_rows * num_q_heads,)](m, l, acc, out, lse, splits, SP=max(2, splits), D=head_dim,
                                                   HAS_LSE=return_lse)
     return (out, lse) if return_lse else out

@@ -104,11 +104,48 @@ def _load_dense(ptr, tok, h, H, valid, D: tl.constexpr):
 
 
 @triton.jit
-def _load_main(data_ptr, s_ptr, z_ptr, tok, entry, h, H, valid,
-               FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr,
-               HEAD_SCALE: tl.constexpr, IS_KEY: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-    """[BN, D] fp32 (or stored dtype for dense) keys/values of the main segment."""
+def _kivi_keys(codes, s_ptr, z_ptr, tok, tok0, h, H, valid,
+               QGROUP: tl.constexpr, KMODE: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """Per-channel key scales: one [D] row per QGROUP tokens. KMODE 1: the block lies in one
+    group (QGROUP % BN == 0), one row for all; 2: whole groups (BN % QGROUP == 0), a row
+    each; 0: any other size, a row gathered per token."""
     d = tl.arange(0, D)
+    if KMODE == 1:
+        off = ((tok0 // QGROUP) * H + h) * D + d
+        x = codes * tl.load(s_ptr + off).to(tl.float32)[None, :] + tl.load(z_ptr + off).to(tl.float32)[None, :]
+    elif KMODE == 2:
+        rows = tok0 // QGROUP + tl.arange(0, BN // QGROUP)
+        live = tl.max(tl.reshape(valid.to(tl.int32), (BN // QGROUP, QGROUP)), 1) > 0
+        off = ((rows * H + h) * D)[:, None] + d[None, :]
+        scale = tl.load(s_ptr + off, mask=live[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + off, mask=live[:, None], other=0.0).to(tl.float32)
+        x3 = tl.reshape(codes, (BN // QGROUP, QGROUP, D)) * scale[:, None, :] + zero[:, None, :]
+        x = tl.reshape(x3, (BN, D))
+    else:
+        off = (((tok // QGROUP) * H + h) * D)[:, None] + d[None, :]
+        scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        x = codes * scale + zero
+    return x
+
+
+@triton.jit
+def _kivi_values(codes, s_ptr, z_ptr, tok, h, H, valid, CGROUP: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """Per-token value scales, one per CGROUP channels (a power of two dividing D)."""
+    c = tl.arange(0, D // CGROUP)
+    off = ((tok * H + h) * (D // CGROUP))[:, None] + c[None, :]
+    scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    x3 = tl.reshape(codes, (BN, D // CGROUP, CGROUP)) * scale[:, :, None] + zero[:, :, None]
+    return tl.reshape(x3, (BN, D))
+
+
+@triton.jit
+def _load_main(data_ptr, s_ptr, z_ptr, tok, tok0, entry, h, H, valid,
+               FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
+               HEAD_SCALE: tl.constexpr, IS_KEY: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """[BN, D] fp32 (or stored dtype for dense) keys/values of the main segment; tok0 is the
+    block's first row (blocks start on multiples of BN within an entry)."""
     if FMT == 0:
         x = _load_dense(data_ptr, tok, h, H, valid, D)
     elif FMT == 1:
@@ -116,14 +153,10 @@ def _load_main(data_ptr, s_ptr, z_ptr, tok, entry, h, H, valid,
         b = tl.load(data_ptr + ((tok * H + h) * (D * BITS // 8))[:, None] + j[None, :], mask=valid[:, None],
                     other=0)
         codes = _unpack_codes(b.to(tl.int32), BITS, BN, D).to(tl.float32)
-        if IS_KEY:  # per channel, one scale row per QGROUP tokens
-            meta = ((tok // QGROUP) * H + h) * D
-            off = meta[:, None] + d[None, :]
-        else:  # per token, one scale per CGROUP channels
-            off = ((tok * H + h) * (D // CGROUP))[:, None] + (d // CGROUP)[None, :]
-        scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-        x = codes * scale + zero
+        if IS_KEY:
+            x = _kivi_keys(codes, s_ptr, z_ptr, tok, tok0, h, H, valid, QGROUP, KMODE, BN, D)
+        else:
+            x = _kivi_values(codes, s_ptr, z_ptr, tok, h, H, valid, CGROUP, BN, D)
     else:
         raw = _load_dense(data_ptr, tok, h, H, valid, D)
         if FMT == 2:
@@ -165,7 +198,7 @@ def _decode_split_kernel(
     m_ptr, l_ptr, acc_ptr,  # partials [R, HQ, NUM_SPLITS] (x D for acc)
     qk_scale, H, HQ, E_CAP, EXT_ADD, NUM_SPLITS,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-    FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr,
+    FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
     HEAD_SCALE: tl.constexpr, INDEXED: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -190,16 +223,17 @@ def _decode_split_kernel(
     for start in range(lo, hi, BN):
         t = start + tl.arange(0, BN)
         valid = t < hi
-        tok = main_start + t.to(tl.int64)
+        tok0 = main_start + start
+        tok = tok0 + tl.arange(0, BN).to(tl.int64)
         if INDEXED:
             tok = tl.load(idx_ptr + tok, mask=valid, other=0).to(tl.int64)
-        k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, entry, h, H, valid,
-                       FMT, BITS, QGROUP, CGROUP, HEAD_SCALE, True, BN, D)
+        k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,
+                       FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, BN, D)
         k = _dot_in(_round_to(k, ROUND), DOT)
         s = _mm(q, tl.trans(k), DOT) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, entry, h, H, valid,
-                       FMT, BITS, QGROUP, CGROUP, HEAD_SCALE, False, BN, D)
+        v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
+                       FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, BN, D)
         v = _dot_in(_round_to(v, ROUND), DOT)
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, DOT)
 
