@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ROOT / "test" / "kernel_checks.py"
@@ -75,3 +76,61 @@ print("dense path")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and "dense path" in proc.stdout, proc.stderr[-3000:]
+
+
+class _FakeFlashInfer:
+    """A torch stand-in for the parts of FlashInfer's API the opt-in backend calls, with their
+    documented semantics: paged decode (NHD, one token a page here) returning the natural
+    log-sum-exp, and merge_state joining two (output, lse) pairs."""
+
+    class BatchDecodeWithPagedKVCacheWrapper:
+        def __init__(self, workspace, layout):
+            assert layout == "NHD"
+
+        def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):
+            assert page_size == 1 and bool((last_page_len == 1).all()) and indices.dtype == torch.int32
+            self.rows = [indices[a:b].long() for a, b in zip(indptr[:-1].tolist(), indptr[1:].tolist())]
+            self.group, self.scale = num_qo_heads // num_kv_heads, kw["sm_scale"]
+
+        def run(self, q, kv, return_lse):
+            k_cache, v_cache = kv
+            outs, lses = [], []
+            for r, idx in enumerate(self.rows):
+                k = k_cache[idx, 0].float().repeat_interleave(self.group, 1)  # [n, H_q, D]
+                v = v_cache[idx, 0].float().repeat_interleave(self.group, 1)
+                logits = torch.einsum("hd,nhd->hn", q[r].float(), k) * self.scale
+                outs.append(torch.einsum("hn,nhd->hd", logits.softmax(-1), v))
+                lses.append(logits.logsumexp(-1))
+            return torch.stack(outs).to(q.dtype), torch.stack(lses)
+
+    @staticmethod
+    def merge_state(v_a, s_a, v_b, s_b):
+        s = torch.logaddexp(s_a, s_b)
+        return v_a * (s_a - s).exp()[..., None] + v_b * (s_b - s).exp()[..., None], s
+
+
+def test_flashinfer_backend_composes_entries_and_drafts_like_the_torch_path():
+    """The opt-in FlashInfer branch (never run here: no FlashInfer kernel runs on a CPU)
+    builds its page tables and merges its two calls so that, under FlashInfer's documented
+    semantics, each row gets its compressor's reference attention."""
+    from sgl_vericache.kernels.flashinfer_backend import FlashInferDecode, page_tables
+    from sgl_vericache.kernels.packing import pack
+    from sgl_vericache.mem_cache.compress import get_compressor
+
+    indptr, indices, last = page_tables([5, 0], [2, 3], "cpu")
+    assert indptr.tolist() == [0, 2, 5] and indices.tolist() == [5, 6, 0, 1, 2] and last.tolist() == [1, 1]
+    with pytest.raises(ValueError, match="at least one token"):
+        page_tables([0], [0], "cpu")
+    assert FlashInferDecode.maybe("cpu") is None
+    g = torch.Generator().manual_seed(0)
+    comp = get_compressor("streamingllm", 4.0, min_budget=8)
+    layers = [comp.compress(torch.randn(n, 2, 64, generator=g), torch.randn(n, 2, 64, generator=g)) for n in (90, 33)]
+    packed = pack(comp, layers)
+    q = torch.randn(2, 6, 64, generator=g)
+    k_extra, v_extra = torch.randn(2, 4, 2, 64, generator=g), torch.randn(2, 4, 2, 64, generator=g)
+    backend = FlashInferDecode(torch.device("cpu"), flashinfer_module=_FakeFlashInfer)
+    for seen in (1, 3):
+        out = backend.decode("round", packed, [0, 1], q, 0.125, k_extra, v_extra, [0, 1], [seen, seen])
+        ref = torch.cat([comp.attend(layers[r], q[r : r + 1], 0.125, k_extra[r, :seen], v_extra[r, :seen])
+                         for r in range(2)])
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

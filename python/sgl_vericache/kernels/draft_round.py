@@ -9,6 +9,7 @@ K/V there and runs one kernel launch per compressor group. Entries are never mod
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence
 
 import torch
@@ -16,7 +17,10 @@ import torch
 from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor
 
 from . import ops
-from .packing import PackedKV, RowTable, pack, supports
+from .flashinfer_backend import FlashInferDecode
+from .packing import FMT_DENSE, PackedKV, RowTable, pack, supports
+
+_ROUND_IDS = itertools.count()  # names a round's FlashInfer plan
 
 
 class KernelDraftRound:
@@ -43,6 +47,8 @@ class KernelDraftRound:
         self._k_extra = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         self._v_extra = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         self.step = [0] * num_layers
+        self._id = next(_ROUND_IDS)
+        self._flashinfer = [FlashInferDecode.maybe(self.device) for _ in self._groups]  # None: off (the default)
 
     @staticmethod
     def supports(rows: Sequence[tuple[KVCompressor, Sequence[Optional[CompressedLayer]]]]) -> bool:
@@ -74,11 +80,20 @@ class KernelDraftRound:
         self._v_extra[layer_id][:, step] = v_new
         packed = self._layer(layer_id)
         if len(self._groups) == 1:
-            return self._launch(packed[0], q, scale, self._table(0), layer_id, step + 1)
+            return self._group_step(0, packed[0], q, scale, layer_id, step + 1)
         out = torch.empty_like(q)
         for g, index in enumerate(self._index):
-            out[index] = self._launch(packed[g], q[index], scale, self._table(g), layer_id, step + 1)
+            out[index] = self._group_step(g, packed[g], q[index], scale, layer_id, step + 1)
         return out
+
+    def _group_step(self, g: int, packed: PackedKV, q, scale, layer_id: int, seen: int) -> torch.Tensor:
+        """Group g's rows see their entries and the round's first ``seen`` provisional tokens."""
+        fi = self._flashinfer[g]
+        if fi is not None and packed.fmt == FMT_DENSE and not packed.page_size and min(packed.main_len) > 0:
+            members = self._groups[g][1]
+            return fi.decode((self._id, g), packed, range(len(members)), q, scale, self._k_extra[layer_id],
+                             self._v_extra[layer_id], members, [seen] * len(members))
+        return self._launch(packed, q, scale, self._table(g), layer_id, seen)
 
     def attend_tokens(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       scale: float) -> torch.Tensor:
