@@ -9,6 +9,7 @@ family (~1 min on 2 cores); with CUDA the `gpu` tests run them compiled, large o
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -134,3 +135,23 @@ def test_flashinfer_backend_composes_entries_and_drafts_like_the_torch_path():
         ref = torch.cat([comp.attend(layers[r], q[r : r + 1], 0.125, k_extra[r, :seen], v_extra[r, :seen])
                          for r in range(2)])
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
+    """benchmark/bench_kernels.py (which only a GPU times for real) runs end to end at tiny
+    sizes: every method and baseline gives a row, with the bytes each layout reads."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_kernels.py"), "--smoke", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    rows = {(r["context"], r["method"]): r for r in result["rows"]}
+    assert not [r for r in result["rows"] if "error" in r]
+    assert {m for _, m in rows} == {"kivi4", "kivi2", "int8", "fp8", "droppers", "quest", "triton_paged"}
+    big = {m: r for (c, m), r in rows.items() if c == 256}
+    assert big["droppers"]["read_ratio"] == pytest.approx(4.0)
+    assert big["int8"]["read_ratio"] == pytest.approx(2 * 128 / (128 + 2))  # codes + an fp16 scale a token
+    assert 1 < big["kivi4"]["read_ratio"] < big["kivi2"]["read_ratio"]  # window of 128 exact tokens at 256
+    assert big["triton_paged"]["read_ratio"] < 1 and big["triton_paged"]["speedup_vs_full"] == 1.0
+    assert result["targets"]["quantizers_at_70pct"] is None  # nothing at 32k x 8 measured

@@ -5,8 +5,10 @@
     out = decode_attention(packed, q, scale, rows, k_extra, v_extra, ext_add=step + 1)
 
 q [R, H_q, D]; k_extra/v_extra [X, E_cap, H_kv, D], the round's provisional KV, of which row
-r reads extras row rows.ext_row[r], its first rows.ext_base[r] + ext_add tokens. The result
-is [R, H_q, D] in q.dtype: what each row's compressor.attend(...) computes in fp32.
+r reads extras row ext_row[r], its first ext_base[r] + ext_add tokens (``PackedKV.rows``).
+The result is [R, H_q, D] in q.dtype: what each row's compressor.attend(...) computes in
+fp32, up to the summation order (and, for bf16 / fp16 entries on a GPU, the probabilities
+rounded to that dtype before P @ V, as FlashAttention does).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_SPLITS = 64
 DEFAULT_BLOCK_N = 64
 PAGE_SCORE_BLOCK = 64
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2
 
 
 def interpreting() -> bool:
@@ -125,7 +128,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         _or(packed.k_scale, k), _or(packed.k_zero, k), _or(packed.v_scale, k), _or(packed.v_zero, k),
         _or(packed.k_recent, ke), _or(packed.v_recent, ve), ke, ve, _or(packed.indices, rows.meta),
         m, l, acc,
-        scale * td_log2e(), packed.num_kv_heads, num_q_heads, e_cap, ext_add, splits,
+        scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, splits,
         GROUP=group, GP=max(16, _pow2(group)), D=head_dim, BN=config.block_n,
         FMT=packed.fmt, BITS=packed.bits, QGROUP=packed.token_group, CGROUP=packed.channel_group,
         KMODE=key_scale_mode(packed.token_group, config.block_n),
@@ -175,15 +178,11 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
     m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
     tq._quest_split_kernel[(num_rows, num_q_heads, splits)](
         q, rows.meta, packed.k, packed.v, selection, ke, ve, m, l, acc,
-        scale * td_log2e(), packed.num_kv_heads, num_q_heads, e_cap, ext_add, selection.shape[2],
+        scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, selection.shape[2],
         packed.page_size, splits,
         GROUP=group, D=head_dim, BN=config.block_n, ROUND=rnd, num_warps=config.num_warps,
     )
     return _combine(m, l, acc, q.dtype, return_lse)
-
-
-def td_log2e() -> float:
-    return 1.4426950408889634
 
 
 def _or(t: Optional[torch.Tensor], fallback: torch.Tensor) -> torch.Tensor:
