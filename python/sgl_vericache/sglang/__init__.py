@@ -13,6 +13,8 @@ patches and why:
 - ``hicache``: HiCache on a CPU device pool, load timing;
 - ``storage``: checksummed storage tiers, compressed entries as blobs;
 - ``linear``: packed CPU weights, draft weight copies, row-invariant products, weight updates.
+- ``validation``: bad request fields refused with a 400 before the scheduler (tokenizer manager, HTTP, OpenAI);
+- ``containment``: an arriving request's own error ends that request, not the scheduler.
 
 ``register_all`` installs every hook, listed below in one place; the hooks share one
 ``runtime.Runtime`` per process. The VeriCache round itself is ``spec/round.py``, in the
@@ -34,6 +36,7 @@ def register_all() -> Runtime:
     from sgl_vericache.config import VeriCacheConfig
     from sgl_vericache.cpu import compat
     from sgl_vericache.sglang import attention, forward, hicache, linear, radix, sampling, scheduler, storage, worker
+    from sgl_vericache.sglang import containment, validation
 
     compat.install()
     runtime = _PROCESS_RUNTIME = Runtime()
@@ -51,6 +54,10 @@ def register_all() -> Runtime:
         scheduler.install_internal_state,  # /server_info
         scheduler.install_deferred_rows,  # staggered verifies: rows without a token
         scheduler.install_fetch_drafting,  # drafting while a prefix streams in
+        validation.install_tokenizer_checks,  # a bad request field is a 400 before the scheduler (any API)
+        validation.install_http_checks,  # the same on native /generate bodies, before a stream starts
+        validation.install_openai_checks,  # the same on OpenAI completions / chat, in OpenAI's field names
+        containment.install_admission_containment,  # an arriving request's own error ends it alone (500)
     ]
     if vc.keep_preempted_kv:
         installs.append(scheduler.install_keep_preempted_kv)  # preempted requests keep their KV

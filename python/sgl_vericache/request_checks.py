@@ -1,0 +1,217 @@
+"""Checks on one generate request before it reaches SGLang's scheduler (no SGLang imports).
+
+SGLang 0.5.23 checks a request's types (its JSON contract, pydantic) and most sampling
+fields, but a few values pass every check and then fail inside a forward pass, where the
+error is no longer one request's: the scheduler raises and the launcher stops the whole
+server. These are the fields and the rules (docs/reliability.md has the full table):
+
+- token ids (``input_ids``, an OpenAI ``prompt`` of ids): integers in ``[0, vocab)``;
+- the prompt: at least one token after tokenization (``text: ""`` and an empty string in
+  a batch, a template that renders to nothing);
+- ``top_logprobs_num`` (OpenAI ``logprobs`` / ``top_logprobs``): 0 to the vocabulary size;
+- ``sampling_params``: only the fields SGLang's ``SamplingParams`` has (an unknown one was a
+  500); ``stop_regex`` patterns that compile (a bad one raised ``re.error``, a 500);
+  ``n`` from 1 to ``MAX_N`` (each sample is a request of its own);
+- ``session_params``: SGLang's ``SessionParams`` fields with their types (an unknown one was
+  a 500, a wrong type reaches the scheduler);
+- ``sampling_params.custom_params``: VeriCache's ``vericache_*`` keys, when VeriCache is
+  on, through ``config.request_config`` (so a bad override is refused before it is queued).
+
+Every error is a ``RequestError`` (a ``ValueError``: SGLang answers it with a 400) whose
+message names the field, the value and what is accepted. ``Names`` maps the native field
+names to what a client of another API sent (OpenAI ``prompt``, ``logprobs``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+SESSION_FIELDS = {"id": str, "rid": str, "offset": int, "replace": bool, "drop_previous_output": bool}
+MAX_N = 128  # samples per prompt (OpenAI's own limit); each is a scheduled request
+_SHOW = 60  # characters of a value shown in an error
+
+
+class RequestError(ValueError):
+    """A request field the server cannot serve; the message names it (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model accepts."""
+
+    vocab_size: int
+    vericache: Any = None  # the server's VeriCacheConfig when VeriCache is on, else None
+    sampling_fields: Optional[frozenset] = None  # the names sampling_params may have (None: any)
+
+
+@dataclass(frozen=True)
+class Names:
+    """The field names a client sent (errors name these)."""
+
+    text: str = "text"
+    input_ids: str = "input_ids"
+    top_logprobs_num: str = "top_logprobs_num"
+    sampling_params: str = "sampling_params"
+    extra: Mapping[str, str] = field(default_factory=dict)  # sampling field -> client name
+
+    def sampling(self, key: str) -> str:
+        return self.extra.get(key) or f"{self.sampling_params}.{key}"
+
+
+NATIVE = Names()
+OPENAI_COMPLETIONS = Names(text="prompt", input_ids="prompt", top_logprobs_num="logprobs", sampling_params="",
+                           extra={"n": "n", "stop_regex": "stop_regex"})
+OPENAI_CHAT = Names(text="messages", input_ids="messages", top_logprobs_num="top_logprobs", sampling_params="",
+                    extra={"n": "n", "stop_regex": "stop_regex"})
+
+
+def show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOW else text[: _SHOW - 5] + " ...]"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _batch(value: Any, is_item) -> list:
+    """``value`` as a list of items: one item, a batch of them, or [] when neither."""
+    if is_item(value):
+        return [(None, value)]
+    if isinstance(value, list) and value and all(is_item(v) for v in value):
+        return list(enumerate(value))
+    return []
+
+
+# -- single fields -------------------------------------------------------------------------
+
+
+def check_token_ids(ids: Any, name: str, limits: Limits) -> None:
+    """``ids``: a non-empty list of token ids in ``[0, vocab)``."""
+    if ids is None:
+        return
+    if len(ids) == 0:
+        raise RequestError(f"{name} is empty; accepted: a prompt of at least one token")
+    vocab = limits.vocab_size
+    for i, tok in enumerate(ids):
+        if not _is_int(tok) or not 0 <= tok < vocab:
+            raise RequestError(f"{name}[{i}] {show(tok)} is not a token id of this model; "
+                               f"accepted: integers from 0 to {vocab - 1}")
+
+
+def check_text(text: Any, name: str) -> None:
+    if isinstance(text, str) and not text:
+        raise RequestError(f"{name} is an empty string; accepted: a prompt of at least one token")
+
+
+def check_top_logprobs(num: Any, name: str, limits: Limits) -> None:
+    """More top logprobs than the vocabulary fails in the forward's top-k."""
+    if num is None:
+        return
+    if not _is_int(num) or not 0 <= num <= limits.vocab_size:
+        raise RequestError(f"{name} {show(num)} is out of range; accepted: an integer from 0 to "
+                           f"{limits.vocab_size} (the vocabulary size)")
+
+
+def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Optional[frozenset] = None) -> None:
+    """What SGLang does not check in ``sampling_params``: its field names (``fields``), the
+    ``stop_regex`` patterns, ``n`` and, when ``vericache`` (the server's VeriCacheConfig) is
+    given, VeriCache's ``custom_params``."""
+    if not isinstance(params, dict):
+        return
+    unknown = sorted(map(str, set(params) - fields)) if fields is not None else []
+    if unknown:
+        raise RequestError(f"{names.sampling_params} has no field {', '.join(map(repr, unknown))}; accepted: "
+                           f"{', '.join(sorted(fields))}")
+    check_stop_regex(params.get("stop_regex"), names.sampling("stop_regex"))
+    n = params.get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+        raise RequestError(f"{names.sampling('n')} {show(n)} is out of range; accepted: an integer from 1 to {MAX_N}")
+    check_custom_params(params.get("custom_params"), names.sampling_params, vericache)
+
+
+def check_session_params(params: Any, name: str = "session_params") -> None:
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise RequestError(f"{name} {show(params)} is not an object; accepted: an object with "
+                           f"{', '.join(SESSION_FIELDS)}")
+    for key, value in params.items():
+        kind = SESSION_FIELDS.get(key)
+        if kind is None:
+            raise RequestError(f"{name} has no field {key!r}; accepted: {', '.join(SESSION_FIELDS)}")
+        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise RequestError(f"{name}.{key} {show(value)} is not {_KIND_NAMES[kind]}")
+
+
+_KIND_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
+
+
+def check_stop_regex(patterns: Any, name: str) -> None:
+    """Each pattern compiles (SGLang parses it with ``re`` when it builds the request)."""
+    for i, pattern in _batch(patterns, lambda v: isinstance(v, str)):
+        try:
+            re.compile(pattern)
+        except Exception as exc:  # re.error, RecursionError, OverflowError on pathological patterns
+            raise RequestError(f"{_at(name, i)} {show(pattern)} is not a regular expression ({exc}); "
+                               "accepted: a Python regular expression") from None
+
+
+def check_custom_params(custom_params: Any, where: str, vericache: Any) -> None:
+    """VeriCache's per-request keys against ``vericache`` (None: VeriCache is off, nothing
+    to check): ``request_config`` type- and range-checks each and builds the compressor;
+    its messages name ``custom_params`` and the key, ``where`` says whose (``sampling_params``)."""
+    if vericache is None or custom_params is None:
+        return
+    from sgl_vericache.config import request_config
+
+    prefix = f"{where}: " if where else ""
+    try:
+        request_config(custom_params, vericache)
+    except ValueError as exc:
+        raise RequestError(f"{prefix}{exc}") from None
+    except Exception as exc:  # a parser that raised something else: still this request's value
+        raise RequestError(f"{prefix}custom_params {show(custom_params)}: {type(exc).__name__}: {exc}") from None
+
+
+# -- whole requests ------------------------------------------------------------------------
+
+
+def check_generate_body(body: Any, limits: Limits, names: Names = NATIVE) -> None:
+    """A native ``/generate`` JSON body, single or batch, before tokenization (text that
+    tokenizes to nothing is caught after, by ``check_tokenized``). Types are SGLang's own
+    contract check's job; values of an unexpected shape are left to it."""
+    if not isinstance(body, dict):
+        return
+    for i, text in _batch(body.get("text"), lambda v: isinstance(v, str)):
+        check_text(text, _at(names.text, i))
+    ids = body.get("input_ids")
+    for i, row in _batch(ids, lambda v: isinstance(v, list) and all(_is_int(t) for t in v)):
+        check_token_ids(row, _at(names.input_ids, i), limits)
+    check_session_params(body.get("session_params"))
+    for i, num in _batch(body.get("top_logprobs_num"), _is_int):
+        check_top_logprobs(num, _at(names.top_logprobs_num, i), limits)
+    for i, params in _batch(body.get("sampling_params"), lambda v: isinstance(v, dict)):
+        check_sampling_params(params, _at_names(names, i), limits.vericache, limits.sampling_fields)
+
+
+def check_tokenized(input_ids: Optional[list], top_logprobs_num: Any, limits: Limits, names: Names = NATIVE) -> None:
+    """One (sub-)request after tokenization: the prompt SGLang will schedule (its sampling
+    parameters were checked before SGLang split the batch)."""
+    if input_ids is not None and len(input_ids) == 0:
+        raise RequestError(f"the prompt ({names.text} / {names.input_ids}) is empty after tokenization; "
+                           "accepted: a prompt of at least one token")
+    check_token_ids(input_ids, names.input_ids, limits)
+    check_top_logprobs(top_logprobs_num, names.top_logprobs_num, limits)
+
+
+def _at(name: str, index: Optional[int]) -> str:
+    return name if index is None else f"{name}[{index}]"
+
+
+def _at_names(names: Names, index: Optional[int]) -> Names:
+    if index is None:
+        return names
+    return Names(names.text, names.input_ids, names.top_logprobs_num, _at(names.sampling_params, index), names.extra)

@@ -1,0 +1,179 @@
+"""request_checks (the rules) and containment.attributable, without a server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sgl_vericache import request_checks as checks
+from sgl_vericache.config import VeriCacheConfig
+
+VOCAB = 49152
+PLAIN = checks.Limits(VOCAB)  # VeriCache off: custom_params are not ours to check
+WITH_VC = checks.Limits(VOCAB, VeriCacheConfig())
+CORPUS = json.loads((Path(__file__).parent / "fuzz_corpus.json").read_text())
+
+
+def refused(body, limits=WITH_VC, names=checks.NATIVE) -> str:
+    with pytest.raises(checks.RequestError) as info:
+        checks.check_generate_body(body, limits, names)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"input_ids": [999999999]}, ["input_ids[0]", "999999999", "0 to 49151"]),
+    ({"input_ids": [-3, 5]}, ["input_ids[0]", "-3", "0 to 49151"]),
+    ({"input_ids": [5, VOCAB]}, ["input_ids[1]", str(VOCAB)]),
+    ({"input_ids": [[1, 2], [3, 70000]]}, ["input_ids[1][1]", "70000"]),
+    ({"input_ids": [[1], []]}, ["input_ids[1] is empty", "at least one token"]),
+    ({"input_ids": []}, ["input_ids is empty"]),
+    ({"text": ""}, ["text is an empty string", "at least one token"]),
+    ({"text": ["a", ""]}, ["text[1] is an empty string"]),
+    ({"text": "hi", "return_logprob": True, "top_logprobs_num": 100000}, ["top_logprobs_num 100000", "0 to 49152"]),
+    ({"text": ["a", "b"], "top_logprobs_num": [1, -1]}, ["top_logprobs_num[1] -1"]),
+    ({"text": "hi", "sampling_params": {"n": 100000}}, ["sampling_params.n 100000", "1 to 128"]),
+    ({"text": "hi", "sampling_params": {"n": 0}}, ["sampling_params.n 0"]),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"custom_params": {"vericache_draft_len": 4.5}}]},
+     ["sampling_params[1]: custom_params vericache_draft_len 4.5"]),
+])
+def test_refused_and_named(body, named):
+    message = refused(body)
+    for part in named:
+        assert part in message, (part, message)
+
+
+@pytest.mark.parametrize("custom_params, named", [
+    ({"vericache_draft_len": 4.5}, "vericache_draft_len"),
+    ({"vericache_draft_len": True}, "vericache_draft_len"),
+    ({"vericache_draft_len": 1000}, "vericache_draft_len"),
+    ({"vericache_compressor_options": {"a": 1}}, "a"),
+    ({"vericache_compressor_options": {"group_size": [1]}}, "group_size"),
+    ({"vericache_compressor_options": 7}, "vericache_compressor_options"),
+    ({"vericache_compressor": "zip"}, "zip"),
+    ({"vericache_ratio": float("nan")}, "vericache_ratio"),
+    ({"vericache_ratio": "4"}, "vericache_ratio"),
+    ({"vericache_nope": 1}, "vericache_nope"),
+    ("not an object", "custom_params"),
+    ([1, 2], "custom_params"),
+])
+def test_custom_params_refused_when_vericache_is_on(custom_params, named):
+    body = {"text": "hi", "sampling_params": {"custom_params": custom_params}}
+    message = refused(body)
+    assert named in message and "custom_params" in message, message
+    checks.check_generate_body(body, PLAIN)  # VeriCache off: SGLang passes custom_params through
+
+
+@pytest.mark.parametrize("body", [
+    {"text": "hi"},
+    {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 1}]},
+    {"input_ids": [0, VOCAB - 1]},
+    {"input_ids": [[1], [2, 3]]},
+    {"text": "hi", "return_logprob": True, "top_logprobs_num": VOCAB},
+    {"text": "hi", "sampling_params": {"n": 128, "custom_params": {"vericache_draft_len": 4, "other_key": [1]}}},
+    {"text": "hi", "sampling_params": {"custom_params": {"vericache_compressor": "quest",
+                                                         "vericache_compressor_options": {"page_size": 16}}}},
+    {"text": " "},
+    # shapes SGLang's own contract check answers are left to it
+    {"input_ids": "abc"}, {"text": 5}, {"sampling_params": [1]}, [1, 2], None,
+])
+def test_accepted(body):
+    checks.check_generate_body(body, WITH_VC)
+
+
+def test_openai_names():
+    message = refused({"input_ids": [[1], [-1]]}, names=checks.OPENAI_COMPLETIONS)
+    assert message.startswith("prompt[1][0] -1"), message
+    message = refused({"text": "hi", "top_logprobs_num": 10 ** 6}, names=checks.OPENAI_CHAT)
+    assert message.startswith("top_logprobs 1000000"), message
+    message = refused({"text": "hi", "sampling_params": {"n": 500}}, names=checks.OPENAI_COMPLETIONS)
+    assert message.startswith("n 500"), message
+    message = refused({"text": "hi", "sampling_params": {"custom_params": {"vericache_draft_len": 0}}},
+                      names=checks.OPENAI_CHAT)
+    assert message.startswith("custom_params vericache_draft_len 0"), message
+
+
+def test_after_tokenization():
+    with pytest.raises(checks.RequestError, match="empty after tokenization"):
+        checks.check_tokenized([], 0, PLAIN)
+    with pytest.raises(checks.RequestError, match=r"input_ids\[2\] 49152"):
+        checks.check_tokenized([1, 2, VOCAB], 0, PLAIN)
+    with pytest.raises(checks.RequestError, match="top_logprobs_num 49153"):
+        checks.check_tokenized([1], VOCAB + 1, PLAIN)
+    checks.check_tokenized([1, 2], 5, PLAIN)
+    checks.check_tokenized(None, 0, PLAIN)  # input_embeds: no ids to check
+
+
+def test_sampling_fields_stop_regex_and_sessions():
+    fields = frozenset({"max_new_tokens", "stop_regex", "n", "custom_params"})
+    limits = checks.Limits(VOCAB, sampling_fields=fields)
+    for body, named in (
+        ({"text": "hi", "sampling_params": {"": 1}}, "sampling_params has no field ''"),
+        ({"text": "hi", "sampling_params": {"is_normalized": True}}, "sampling_params has no field 'is_normalized'"),
+        ({"text": "hi", "sampling_params": {"stop_regex": "a{2,1}"}}, "sampling_params.stop_regex 'a{2,1}'"),
+        ({"text": "hi", "sampling_params": {"stop_regex": ["ok", "("]}}, "sampling_params.stop_regex[1] '('"),
+        ({"text": "hi", "session_params": {"x": 1}}, "session_params has no field 'x'"),
+        ({"text": "hi", "session_params": {"id": "s", "offset": "3"}}, "session_params.offset '3' is not an integer"),
+        ({"text": "hi", "session_params": {"id": "s", "replace": 1}}, "session_params.replace 1 is not true or false"),
+        ({"text": "hi", "session_params": [1]}, "session_params [1] is not an object"),
+    ):
+        message = refused(body, limits)
+        assert message.startswith(named), (named, message)
+    checks.check_generate_body({"text": "hi", "sampling_params": {"stop_regex": ["a+", "b"], "n": 2},
+                                "session_params": {"id": "s", "rid": None, "offset": -1}}, limits)
+
+
+def test_session_fields_are_sglangs():
+    from sglang.srt.managers.io_struct import SessionParams
+
+    assert set(checks.SESSION_FIELDS) == set(SessionParams.__struct_fields__)
+
+
+def test_long_values_are_shortened():
+    message = refused({"text": "hi", "top_logprobs_num": 10 ** 200})
+    assert len(message) < 200, message
+
+
+def test_custom_params_errors_of_any_type_are_refused(monkeypatch):
+    """A parser that raises something other than ValueError (issue 29's AttributeError) is
+    still this request's bad value, never the server's."""
+    import sgl_vericache.config as config
+
+    def broken(custom_params, server):
+        raise AttributeError("'int' object has no attribute 'split'")
+
+    monkeypatch.setattr(config, "request_config", broken)
+    message = refused({"text": "hi", "sampling_params": {"custom_params": {"vericache_ratio": 2}}})
+    assert "AttributeError" in message and "custom_params" in message
+
+
+def test_corpus_native_bodies_are_refused_by_the_rules():
+    """Every corpus body for native /generate whose fault is a value these rules own is
+    refused here too (the others are SGLang's own checks, exercised over HTTP)."""
+    for case in CORPUS:
+        if case["path"] == "/generate" and case.get("rule") == "request_checks":
+            refused(case["body"])
+
+
+# -- containment --------------------------------------------------------------------------
+
+
+def _raise_in(name: str, filename: str) -> Exception:
+    code = compile(f"def {name}():\n    raise RuntimeError('x')\n", filename, "exec")
+    scope = {}
+    exec(code, scope)
+    try:
+        scope[name]()
+    except RuntimeError as exc:
+        return exc
+
+
+def test_attributable():
+    from sgl_vericache.sglang.containment import attributable
+
+    assert attributable(_raise_in("_create_generation_req", "/x/sglang/srt/managers/scheduler.py"))
+    assert not attributable(_raise_in("_add_request_to_queue", "/x/sglang/srt/managers/scheduler.py"))
+    assert not attributable(_raise_in("_prefetch_kvcache", "/x/sglang/srt/managers/scheduler.py"))
+    assert not attributable(_raise_in("match_prefix", "/x/sglang/srt/mem_cache/radix_cache.py"))
+    assert not attributable(KeyboardInterrupt())
