@@ -39,7 +39,7 @@ def test_chunked_prompts_are_parked_and_published_when_they_leave(default_model_
     finally:
         off.shutdown()
     saved = os.environ.get("VERICACHE_CONFIG")
-    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8, full_device_budget=BUDGET).to_env()
+    VeriCacheConfig(compressor="kivi4", ratio=4.0, draft_len=8, adaptive=False, full_device_budget=BUDGET).to_env()
     try:
         vc = Engine(model_path=str(default_model_path), **ENGINE_KW, speculative_algorithm="VERICACHE",
                     speculative_num_draft_tokens=9, speculative_ngram_max_bfs_breadth=1,

@@ -44,7 +44,7 @@ def test_config_round_trips_through_the_environment(monkeypatch):
 
 
 def test_request_overrides():
-    server = VeriCacheConfig(draft_len=16)
+    server = VeriCacheConfig(compressor="kivi4", draft_len=16)
     assert request_config(None, server) is server
     assert request_config({"other_key": 1}, server) is server
     cfg = request_config({"vericache_compressor": "quest", "vericache_draft_len": 4}, server)
@@ -79,7 +79,16 @@ def test_bad_request_overrides_name_their_key(params, message):
     """Every malformed override is a ValueError (the request's 400), never another error
     type that would escape the round's plan and stop the scheduler."""
     with pytest.raises(ValueError, match=message):
-        request_config(params, VeriCacheConfig(draft_len=16))
+        request_config(params, VeriCacheConfig(compressor="kivi4", draft_len=16))
+
+
+def test_compressor_options_need_a_named_compressor():
+    with pytest.raises(ValueError, match="need a named compressor, not auto"):
+        request_config({"vericache_compressor_options": "group_size=16"}, VeriCacheConfig())
+    cfg = request_config({"vericache_compressor": "kivi4", "vericache_compressor_options": "group_size=16"},
+                         VeriCacheConfig())
+    assert cfg.build_compressor().name == "kivi4"
+    assert VeriCacheConfig().build_compressor().name == "streamingllm"  # auto's first candidate
 
 
 def test_flag_values_are_type_checked():

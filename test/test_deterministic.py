@@ -29,7 +29,7 @@ def _run(model_path, spec: bool):
 
     from sgl_vericache.config import VeriCacheConfig
 
-    VeriCacheConfig(enable=spec, draft_len=DRAFT_LEN, deterministic=True).to_env()
+    VeriCacheConfig(enable=spec, compressor="kivi4", draft_len=DRAFT_LEN, adaptive=False, deterministic=True).to_env()
     kw = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=DRAFT_LEN + 1,
               speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True) if spec else {}
     engine = Engine(model_path=str(model_path), **ENGINE_KW, **kw)

@@ -504,3 +504,52 @@ def test_running_requests_park_their_prompts(reference, steady_engine):
     # have left in the tree) and what it has generated (at most 24 tokens: not enough alone)
     assert parks > 0 and parked >= parks * (min(len(p) for p in prompts) - 4), (parks, parked, before, after)
     assert after["full_kv_loaded_tokens"] - before["full_kv_loaded_tokens"] == parked
+
+
+# --- the adaptive controller --------------------------------------------------------------
+
+ADAPTIVE_SCHEDULE = "0,4,0,0,16,2,0,8"  # the controller's decisions, in turn: plain and several draft lengths
+SWITCH_EVERY = 5  # rounds between forced moves of auto requests to the other candidate compressor
+
+
+@pytest.fixture(scope="module")
+def adaptive_engine(default_model_path):
+    """VERICACHE with the adaptive controller on and ``--vericache-compressor auto``, no
+    device budget (so iterations may be plain), its decisions cycled through a schedule
+    (``VERICACHE_ADAPTIVE_SCHEDULE``) so that every request switches between plain decoding
+    and rounds of several draft lengths mid-generation, and its auto requests moved to the
+    other candidate compressor every ``SWITCH_EVERY`` rounds (their compressed entry rebuilt)."""
+    from sgl_vericache.config import VeriCacheConfig
+    from sgl_vericache.spec.round import SCHEDULE_ENV, SWITCH_ENV
+
+    VeriCacheConfig(compressor="auto", draft_len=16).to_env()
+    with pytest.MonkeyPatch.context() as env:  # read when the scheduler starts
+        env.setenv(SCHEDULE_ENV, ADAPTIVE_SCHEDULE)
+        env.setenv(SWITCH_ENV, str(SWITCH_EVERY))
+        env.delenv("SGLANG_TEST_RETRACT", raising=False)
+        engine = _engine(default_model_path, speculative_algorithm="VERICACHE", speculative_num_draft_tokens=17,
+                         speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
+    yield engine
+    engine.shutdown()
+
+
+def test_adaptive_switching_is_token_identical(reference, adaptive_engine, default_model_path):
+    """Requests that switch between plain decoding and rounds of 2/4/8/16 drafts, and between
+    compressors, mid-generation: greedy and seeded token ids equal speculation off; unseeded
+    sampling stays random and of the requested length."""
+    ids = _input_ids(default_model_path, CI_PROMPTS[:4])
+    before = _vericache_state(adaptive_engine)
+    greedy = adaptive_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 128, "temperature": 0})
+    check_identical(CI_PROMPTS[:4], [("auto", 16)] * 4, greedy, reference[:4], batch=4, top2=reference.top2[:4])
+    seeded = adaptive_engine.generate(input_ids=ids, sampling_params=SEEDED)
+    check_identical(CI_PROMPTS[:4], [("auto", 16)] * 4, seeded, reference.extra["seeded"], batch=4)
+    unseeded = adaptive_engine.generate(input_ids=ids[:1] * 2, sampling_params={
+        "max_new_tokens": 48, "temperature": 0.8, "ignore_eos": True})
+    assert all(len(o["output_ids"]) == 48 for o in unseeded) and unseeded[0]["output_ids"] != unseeded[1]["output_ids"]
+    after = _vericache_state(adaptive_engine)
+    grew = {k: after[k] - before[k] for k in ("plain_iterations", "spec_iterations", "compressor_switches")}
+    assert grew["plain_iterations"] > 0 and grew["spec_iterations"] > 0, grew
+    assert grew["compressor_switches"] > 0, grew
+    lengths = {int(d) for d, n in after["draft_steps"].items() if n > before["draft_steps"].get(d, 0)}
+    assert {2, 4, 8, 16} <= lengths, lengths
+    check_spec_counts(greedy + seeded)

@@ -14,6 +14,15 @@ from typing import Any, Optional, Sequence
 
 ENV_VAR = "VERICACHE_CONFIG"
 FLAG_PREFIX = "--vericache-"
+AUTO = "auto"  # --vericache-compressor auto: chosen per request among AUTO_CANDIDATES
+AUTO_CANDIDATES = ("streamingllm", "kivi4")  # a token dropper and a quantizer
+
+
+def compressor_names() -> list[str]:
+    """What --vericache-compressor (and a request's vericache_compressor) accepts."""
+    from sgl_vericache.mem_cache.compress.registry import available_compressors
+
+    return [AUTO] + list(available_compressors())
 
 
 
@@ -26,11 +35,20 @@ class VeriCacheConfig:
     enable: bool = _opt(
         True, "Speculative decoding with VeriCache (draft over compressed KV, verify over full KV)."
     )
-    compressor: str = _opt("kivi4", "KV compressor the draft reads (see mem_cache/compress).")
+    compressor: str = _opt(
+        "auto", "KV compressor the draft reads (see mem_cache/compress); auto = per request, the candidate "
+        "(streamingllm, a token dropper; kivi4, a 4-bit quantizer) with the most expected tokens per second at its "
+        "context length, re-chosen when its measured acceptance says so.")
     ratio: float = _opt(
         4.0, "Target compression ratio against the full KV (droppers: kept-token budget).", min=1.0, max=64.0
     )
-    draft_len: int = _opt(16, "Tokens drafted per verify round.", min=1, max=64)
+    draft_len: int = _opt(16, "Tokens drafted per verify round (with --vericache-adaptive: the most a round "
+                          "drafts).", min=1, max=64)
+    adaptive: bool = _opt(
+        True, "Decide every iteration, by expected tokens per second (step costs measured online, each request's "
+        "acceptance), whether to speculate at all (else SGLang's plain one-token decode step) and how many tokens "
+        "to draft; off = every iteration drafts --vericache-draft-len tokens. A request's own "
+        "vericache_draft_len always drafts that many.")
     draft_weights: str = _opt(
         "auto", "Weights the draft passes multiply by: model (as loaded), fp16 or int8 (a cheaper copy; "
         "verify always uses the model's own, so outputs are unchanged and only acceptance can move); "
@@ -89,15 +107,14 @@ class VeriCacheConfig:
     )
 
     def __post_init__(self) -> None:
-        from sgl_vericache.mem_cache.compress.registry import available_compressors
-
         for f in dataclasses.fields(self):
             _validate_field(f, getattr(self, f.name))
-        if self.compressor not in available_compressors():
-            raise ValueError(
-                f"{FLAG_PREFIX}compressor {self.compressor!r} is not one of {', '.join(available_compressors())}"
-            )
+        if self.compressor not in compressor_names():
+            raise ValueError(f"{FLAG_PREFIX}compressor {self.compressor!r} is not one of {', '.join(compressor_names())}")
         self.options()
+        if self.compressor == AUTO and self.compressor_options:
+            raise ValueError(f"{FLAG_PREFIX}compressor-options {self.compressor_options!r} need a named compressor, "
+                             f"not {AUTO} (each candidate has options of its own)")
 
     def options(self) -> dict:
         from sgl_vericache.mem_cache.compress.registry import parse_options
@@ -107,11 +124,15 @@ class VeriCacheConfig:
         except ValueError as exc:
             raise ValueError(f"{FLAG_PREFIX}compressor-options: {exc}") from None
 
-    def build_compressor(self):
-        """The configured compressor; bad ratio or options raise ValueError naming them."""
+    def build_compressor(self, name: Optional[str] = None):
+        """The configured compressor (``name``: another method with this ratio; ``auto``:
+        the first candidate); bad ratio or options raise ValueError naming them."""
         from sgl_vericache.mem_cache.compress import get_compressor
 
-        return get_compressor(self.compressor, self.ratio, **self.options())
+        name = name or self.compressor
+        if name == AUTO:
+            return get_compressor(AUTO_CANDIDATES[0], self.ratio)
+        return get_compressor(name, self.ratio, **(self.options() if name == self.compressor else {}))
 
     # -- transport to child processes -------------------------------------------------
     def to_env(self) -> None:
@@ -164,9 +185,7 @@ def _accepted(f: dataclasses.Field) -> str:
     if f.metadata.get("min") is not None:
         return f"{f.metadata['min']} to {f.metadata['max']}"
     if f.name == "compressor":
-        from sgl_vericache.mem_cache.compress.registry import available_compressors
-
-        return ", ".join(f"`{c}`" for c in available_compressors())
+        return ", ".join(f"`{c}`" for c in compressor_names())
     return "text"
 
 
@@ -238,11 +257,8 @@ def request_config(custom_params: Any, server: VeriCacheConfig) -> VeriCacheConf
         if name == "compressor_options" and isinstance(value, dict):
             value = _options_text(key, value)
         _validate_field(fields[name], value, f"custom_params {key}")
-        if name == "compressor":
-            from sgl_vericache.mem_cache.compress.registry import available_compressors
-
-            if value not in available_compressors():
-                raise ValueError(f"custom_params {key} {value!r} is not one of {', '.join(available_compressors())}")
+        if name == "compressor" and value not in compressor_names():
+            raise ValueError(f"custom_params {key} {value!r} is not one of {', '.join(compressor_names())}")
         overrides[name] = value
     if not overrides:
         return server

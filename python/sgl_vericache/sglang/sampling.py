@@ -164,9 +164,10 @@ def sampled_verify(sampled: SampledRound, deferred, verify_input, batch, logits_
     if grammar_mask is not None:
         grammar_mask.apply(logits)
 
-    candidates = verify_input.draft_token.reshape(bs, n).to(torch.int64).cpu()
+    candidates = verify_input.draft_token.reshape(bs, n).to(torch.int64)
     positions = verify_input.positions.reshape(bs, n).to(torch.int64)
     num_acc, tokens = sampled.accept(candidates, logits.reshape(bs, n, -1), positions, skip=deferred)
+    num_acc, tokens = num_acc.cpu(), tokens.cpu()  # the result's index tensors are laid out here
 
     skipped = set(deferred)
     predict = torch.zeros(bs * n, dtype=torch.int32)

@@ -28,12 +28,26 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
     extra = []
     if vc.full_device_budget >= 0:
         extra = _parking_flags(argv)
+    if "--disable-cuda-graph" not in argv:
+        extra.append("--disable-cuda-graph")  # see check_cuda_graphs
     return argv + extra + [
         "--speculative-algorithm", SPEC_ALGORITHM,
         "--speculative-num-draft-tokens", str(vc.draft_len + 1),
         "--speculative-ngram-max-bfs-breadth", "1",
         "--disable-overlap-schedule",
     ]
+
+
+def check_cuda_graphs(cuda_graphs: bool, device: str) -> None:
+    """VERICACHE runs with CUDA graphs off until a GPU run proves the draft passes safe with
+    them: a draft pass is a DECODE forward of the model runner, which SGLang would replay
+    from a graph captured with the target's own attention (reading the full KV, or
+    crashing) instead of running our draft attention over the compressed KV. The launcher
+    passes --disable-cuda-graph; an engine built another way is refused here."""
+    if cuda_graphs and str(device).startswith("cuda"):
+        raise ValueError("--speculative-algorithm VERICACHE needs --disable-cuda-graph (draft passes would replay "
+                         "graphs captured for the target's attention); python -m sgl_vericache.launch_server "
+                         "sets it")
 
 
 def flag_value(argv: list[str], flag: str):

@@ -19,8 +19,8 @@ from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
-from sgl_vericache.sglang.server import SPEC_ALGORITHM, check_parking_args
-from sgl_vericache.spec.round import RoundBatch, Speculator
+from sgl_vericache.sglang.server import SPEC_ALGORITHM, check_cuda_graphs, check_parking_args
+from sgl_vericache.spec.round import RoundBatch, Speculator, last_token
 from sgl_vericache.spec.stats import Stats
 
 
@@ -101,6 +101,7 @@ class WorkerSeam:
         self.model_runner = worker.model_runner
         self.device = worker.device
         self.num_layers = self.model_runner.model_config.num_hidden_layers
+        self.context_len = self.model_runner.model_config.context_len  # positions verify may reach
         self.passes = forward.DraftPasses(self.model_runner, runtime, draft_weights)
 
     def read_kv(self, pool_row: int):
@@ -114,11 +115,12 @@ class WorkerSeam:
 
         return read_kv
 
-    def abort(self, req, message: str) -> None:
-        """End ``req`` with a 400 naming what was wrong; the rest of the batch goes on."""
+    def abort(self, req, message: str, status: int = 400) -> None:
+        """End ``req`` with ``status`` (400: a bad request) and ``message``; the rest of the
+        batch goes on."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        req.to_finish = FINISH_ABORT(message, 400, "BadRequestError")
+        req.to_finish = FINISH_ABORT(message, status, "BadRequestError" if status == 400 else "InternalServerError")
 
     def sampled_round(self, batch, rows, rng):
         return sampling.make_sampled_round(self.model_runner.sampler, batch, rows, rng)
@@ -145,6 +147,7 @@ class WorkerSeam:
 
 
 def make_worker_class(runtime: Runtime):
+    from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.runtime_context import get_device, get_memory, get_observability, get_schedule, get_spec
     from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
@@ -166,8 +169,11 @@ def make_worker_class(runtime: Runtime):
             self.device = get_device().device
             self.adaptive_controller = None
             self._prev_decode_rids = set()
+            self._last_decode_rids = set()  # rids of the last decode iteration (rounds and plain steps)
+            self.plain = False  # this iteration decodes plainly (--vericache-adaptive chose no drafts)
             self.grammar_tree_host = None
             self.cuda_graphs = not getattr(server_args, "disable_cuda_graph", True)
+            check_cuda_graphs(self.cuda_graphs, self.device)
             self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
             self.runtime = runtime
             draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
@@ -207,8 +213,12 @@ def make_worker_class(runtime: Runtime):
 
         def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
             self.speculator.attach_tier()
-            is_round = batch.forward_mode.is_decode()
-            width = self.speculator.round_width(batch.reqs, self.max_width) if is_round else self.max_width
+            self.plain = False
+            width = self.max_width
+            if batch.forward_mode.is_decode():
+                self._release_departed(batch)
+                width = self.speculator.begin_iteration(batch.reqs, batch.seq_lens_cpu.tolist(), self.max_width)
+                self.plain, width = width == 0, width or self.max_width
             self._set_width(width)
             try:
                 result = self._forward(batch, on_publish, pp_proxy_tensors)
@@ -227,7 +237,7 @@ def make_worker_class(runtime: Runtime):
             capture = batch.forward_mode.is_extend() and spec.needs_queries(batch.reqs)
             self.verify_backend.capture = spec.queries if capture else None
             self.verify_backend.capture_rids = [req.rid for req in batch.reqs] if capture else None
-            is_round = batch.forward_mode.is_decode()
+            is_round = batch.forward_mode.is_decode() and not self.plain
             runtime.active_worker = self
             t0 = time.perf_counter()
             try:
@@ -237,23 +247,55 @@ def make_worker_class(runtime: Runtime):
                 runtime.active_worker = None
                 deferred = spec.close_round()
                 self.verify_backend.skip_rows = ()
+            if self.plain:
+                # NGRAM's non-verify branch returns one token per row; the scheduler reads a
+                # decode result at the round's row stride, as a round lays its tokens out
+                result.next_token_ids = result.next_draft_input.accept_tokens
+                spec.end_plain(time.perf_counter() - t0, runtime.load_seconds)
+                return result
             lens = result.accept_lens.tolist() if is_round and result.accept_lens is not None else None
             spec.count_round(batch.reqs, lens, deferred, time.perf_counter() - t0, runtime.load_seconds)
             return result
 
+        def _prepare_for_speculative_decoding(self, batch):
+            if not (self.plain and batch.forward_mode.is_decode()):
+                return super()._prepare_for_speculative_decoding(batch)
+            # A plain iteration: SGLang's one-token decode step. The spec scheduler already
+            # reserved the KV slots after each request's committed tokens; take the first,
+            # feed the last committed token, and leave the mode DECODE, so NGRAM's worker
+            # runs the target's ordinary forward and sampler (its non-verify branch).
+            bs = len(batch.reqs)
+            batch.input_ids = torch.tensor([last_token(req) for req in batch.reqs], dtype=torch.int64,
+                                           device=self.device)
+            batch.out_cache_loc = assign_extend_cache_locs_func(
+                req_pool_indices=batch.req_pool_indices, req_to_token=batch.req_to_token_pool.req_to_token,
+                start_offset=batch.seq_lens, end_offset=batch.seq_lens + 1, batch_size=bs, draft_token_num=1,
+                device=self.device)
+            batch.seq_lens = batch.seq_lens + 1
+            batch.seq_lens_cpu = batch.seq_lens_cpu + 1
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+            if getattr(batch, "orig_seq_lens", None) is not None:
+                batch.orig_seq_lens = batch.orig_seq_lens + 1
+            batch.spec_info = None  # the last round's relay carries no positions for a decode step
+
+        def _release_departed(self, batch):
+            """Requests that left the decode batch since the last decode iteration file their
+            compressed entry (NGRAM reports departures only after verify rounds)."""
+            current = {req.rid for req in batch.reqs}
+            departed = self._last_decode_rids - current
+            self._last_decode_rids = current
+            if departed:
+                self.speculator.release_departed(departed)
+
         def clear_cache_pool(self):
             self.speculator.clear()
             self._prev_decode_rids = set()
+            self._last_decode_rids = set()
 
         def _update_ngram_corpus(self, batch):
             pass
 
         def _prepare_draft_tokens(self, batch):
-            # NGRAM reports requests that left the decode batch after this round's verify;
-            # file theirs now, so that a request extending one (the next turn) finds it.
-            departed = self._prev_decode_rids - {req.rid for req in batch.reqs}
-            if departed:
-                self.speculator.release_departed(departed)
             round_batch = RoundBatch(
                 reqs=batch.reqs, verified=batch.seq_lens_cpu.tolist(), pool_rows=batch.req_pool_indices.tolist(),
                 own_kv_start=[req.kv.cache_protected_len for req in batch.reqs],

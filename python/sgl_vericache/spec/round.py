@@ -29,6 +29,7 @@ parking of full KV. Requests are SGLang's ``Req`` objects; this module reads ``r
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
@@ -36,10 +37,11 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from sgl_vericache.config import VeriCacheConfig, request_config
+from sgl_vericache.config import AUTO, AUTO_CANDIDATES, VeriCacheConfig, request_config
 from sgl_vericache.cpu.linear import weights_generation
 from sgl_vericache.mem_cache.compress import KVCompressor
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
+from sgl_vericache.spec.adaptive import Controller, Row
 from sgl_vericache.spec.drafter import CompressedKVStore
 from sgl_vericache.spec.fetch_drafting import FetchDrafter
 from sgl_vericache.spec.stats import Stats
@@ -49,12 +51,26 @@ logger = logging.getLogger(__name__)
 # Prompt queries kept per request and layer for query-aware compressors (SnapKV votes
 # with the last window_size of them; H2O accumulates attention over all it is given).
 MAX_CAPTURED_QUERIES = 512
+# Tests: draft lengths the adaptive controller cycles through instead of deciding (0 = plain),
+# and every how many rounds an auto request moves to the next candidate compressor regardless
+SCHEDULE_ENV = "VERICACHE_ADAPTIVE_SCHEDULE"
+SWITCH_ENV = "VERICACHE_ADAPTIVE_SWITCH_EVERY"
 
 
 class Plan(NamedTuple):
     compressor: KVCompressor
-    draft_len: int
+    draft_len: int  # the most it drafts (the server's --vericache-draft-len, or its own)
     error: Optional[str] = None  # a bad override: the request was aborted
+    fixed: bool = False  # its custom_params set its draft length: the controller does not change it
+    auto: bool = False  # its compressor is the controller's choice (--vericache-compressor auto)
+    switches: int = 0  # times the controller moved it to another compressor
+
+
+def draft_kv_fraction(compressor: KVCompressor) -> float:
+    """The share of a request's full KV a draft step reads from its compressed entry: a
+    dropper's kept tokens; a quantizer's dense copy (on this path) and Quest's scored pages
+    read as much as the full KV."""
+    return 1.0 / compressor.ratio if compressor.ratio and compressor.name != "quest" else 1.0
 
 
 @dataclass
@@ -82,6 +98,8 @@ def pad_drafts(drafts: np.ndarray, draft_lens: list[int], width: int) -> np.ndar
     can never change the output; it only fills the round's verify width (the batch's
     longest draft + 1)."""
     out = np.empty((drafts.shape[0], width), dtype=np.int64)
+    if not width:  # the round verifies its roots only (the context's last position)
+        return out
     for i, draft_len in enumerate(draft_lens):
         out[i, :draft_len] = drafts[i, :draft_len]
         out[i, draft_len:] = drafts[i, draft_len - 1]
@@ -149,6 +167,16 @@ class Speculator:
         self.tier = None  # CompressedTier: evicted compressed entries in the storage tier
         # attached at the first forward or fetch-draft poll (SGLang's tree exists by then)
         self._tier_pending = self.fetch_drafter is not None
+        # --vericache-adaptive: this iteration's decision, and what the round drafted
+        self.controller = None
+        if vc.adaptive:
+            schedule = [int(d) for d in os.environ.get(SCHEDULE_ENV, "").split(",") if d.strip()]
+            self.controller = Controller(vc.draft_len, allow_plain=vc.full_device_budget < 0, schedule=schedule)
+        self.switch_every = int(os.environ.get(SWITCH_ENV, "0") or 0)
+        self.round_count = 0
+        self.decision = None
+        self.rows = None  # the controller's view of this iteration's batch
+        self.lens, self.draft_seconds = (), 0.0
 
     # -- per request ---------------------------------------------------------------------
 
@@ -157,16 +185,38 @@ class Speculator:
         plan = self.plans.get(req.rid)
         if plan is None:
             try:
-                cfg = request_config(req.sampling_params.custom_params, self.vc)
-                key = (cfg.compressor, cfg.ratio, cfg.compressor_options)
-                if key not in self.compressors:
-                    self.compressors[key] = cfg.build_compressor()
-                plan = Plan(self.compressors[key], cfg.draft_len)
-            except ValueError as exc:
+                custom = req.sampling_params.custom_params
+                cfg = request_config(custom, self.vc)
+                name = cfg.compressor
+                if name == AUTO:
+                    name = self._choose_compressor(cfg, len(req.origin_input_ids))
+                fixed = isinstance(custom, dict) and "vericache_draft_len" in custom
+                plan = Plan(self._compressor(cfg, name), cfg.draft_len, fixed=fixed, auto=cfg.compressor == AUTO)
+                self.stats.planned(plan.compressor.name)
+            except ValueError as exc:  # a bad override: this request alone ends, with a 400
                 self.seam.abort(req, str(exc))
                 plan = Plan(self.store.compressor, 1, str(exc))
+            except Exception as exc:  # our bug, contained to this request (a 500), never the server
+                logger.exception("VeriCache: planning request %s failed", req.rid)
+                message = f"VeriCache could not plan this request: {type(exc).__name__}: {exc}"
+                self.seam.abort(req, message, status=500)
+                plan = Plan(self.store.compressor, 1, message)
             self.plans[req.rid] = plan
         return plan
+
+    def _compressor(self, cfg: VeriCacheConfig, name: str) -> KVCompressor:
+        key = (name, cfg.ratio, cfg.compressor_options if name == cfg.compressor else "")
+        if key not in self.compressors:
+            self.compressors[key] = cfg.build_compressor(name)
+        return self.compressors[key]
+
+    def _candidates(self, cfg: VeriCacheConfig) -> list:
+        return [(name, draft_kv_fraction(self._compressor(cfg, name))) for name in AUTO_CANDIDATES]
+
+    def _choose_compressor(self, cfg: VeriCacheConfig, context: int, rid=None, current=None) -> str:
+        if self.controller is None:
+            return AUTO_CANDIDATES[0]
+        return self.controller.choose_compressor(self._candidates(cfg), context, rid, current, margin=0.15)
 
     def needs_queries(self, reqs) -> bool:
         """Whether a prefill of ``reqs`` should keep its last prompt queries (SnapKV, H2O)."""
@@ -179,6 +229,8 @@ class Speculator:
             self.plans.pop(rid, None)
             self.queries.pop(rid, None)
             self.waited.pop(rid, None)
+            if self.controller is not None:
+                self.controller.forget(rid)
             if self.fetch_drafter is not None:
                 self.fetch_drafter.queue.drop(rid)
 
@@ -211,26 +263,65 @@ class Speculator:
 
     # -- the round -----------------------------------------------------------------------
 
-    def round_width(self, reqs, max_width: int) -> int:
-        """Tokens each request verifies this round: root + the batch's longest draft."""
-        return min(max_width, 1 + max(self.plan(req).draft_len for req in reqs))
+    def draft_lens(self, reqs, verified: Sequence[int]) -> list[int]:
+        """Per row: the tokens it drafts this round, its plan's draft length cut so that every
+        position the round verifies stays inside the model's context (the batch verifies at
+        one width, so the row nearest the context's end bounds them all; 0 at its last
+        position)."""
+        room = min(self.seam.context_len - 1 - n for n in verified)
+        return [max(0, min(self._draft_len(self.plan(req)), room)) for req in reqs]
+
+    def _draft_len(self, plan: Plan) -> int:
+        if self.decision is None or plan.fixed:
+            return plan.draft_len
+        return min(plan.draft_len, self.decision.draft_len)
+
+    def begin_iteration(self, reqs, verified: Sequence[int], max_width: int) -> int:
+        """Decide a decode iteration: 0 = plain decoding (no drafts, SGLang's one-token step),
+        else the width each request verifies (root + the batch's longest draft)."""
+        self.decision = self.rows = None
+        if self.controller is not None:
+            queued = self.fetch_drafter.queue if self.fetch_drafter is not None else ()
+            self.rows = [Row(req.rid, n, int(n * draft_kv_fraction(plan.compressor)), plan.compressor.name,
+                             plan.draft_len if plan.fixed else None, req.rid in queued)
+                         for req, n, plan in ((r, n, self.plan(r)) for r, n in zip(reqs, verified))]
+            self.decision = self.controller.decide(self.rows)
+            if self.decision.draft_len == 0:
+                self.stats.add("plain_iterations", 1)
+                return 0
+        self.stats.add("spec_iterations", 1)
+        return min(max_width, 1 + max(self.draft_lens(reqs, verified)))
+
+    def end_plain(self, seconds: float, load_seconds: float) -> None:
+        """A plain decoding iteration took ``seconds``."""
+        self.controller.observe_plain(self.rows, seconds)
+        self._count_prediction(seconds)
+        self.stats.end_iteration(load_seconds)
+
+    def _count_prediction(self, seconds: float) -> None:
+        if self.decision is not None:
+            self.stats.add("predicted_step_seconds", self.decision.predicted_seconds)
+            self.stats.add("measured_step_seconds", seconds)
 
     def draft_round(self, batch: RoundBatch, width: int) -> RoundDrafts:
         """Steps 1-4 for one decode iteration: every row's root and drafts, padded to ``width``."""
         bs = len(batch.reqs)
         plans = [self.plan(req) for req in batch.reqs]
+        lens = self.draft_lens(batch.reqs, batch.verified)
         self._sync_store(batch, plans)
         verifying = self._verifying_rows(batch)
         if self.vc.full_device_budget >= 0:
             self._stage_full_kv(batch, verifying)
         self.deferred = tuple(i for i, v in enumerate(verifying) if not v)
         roots = [last_token(req) for req in batch.reqs]
-        steps = max(plan.draft_len for plan in plans)
-        queued = self._queued_drafts(batch, plans, verifying)
+        steps = max(lens)
+        queued = self._queued_drafts(batch, lens, verifying)
         t0 = time.perf_counter()
         drafts = self._draft(batch, roots, steps, queued)  # [bs, steps]
-        self.stats.drafted(time.perf_counter() - t0, sum(p.draft_len for p, v in zip(plans, verifying) if v))
-        drafts = pad_drafts(drafts, [plan.draft_len for plan in plans], width - 1)
+        self.draft_seconds = time.perf_counter() - t0
+        self.lens = [n if v else 0 for n, v in zip(lens, verifying)]
+        self.stats.drafted(self.draft_seconds, sum(self.lens), steps)
+        drafts = pad_drafts(drafts, lens, width - 1)
         tokens = np.concatenate([np.asarray(roots, dtype=np.int64)[:, None], drafts], axis=1)
         chain = np.tril(np.ones((width, width), dtype=bool))
         mask = np.broadcast_to(chain, (bs, width, width)).reshape(-1).copy()
@@ -251,6 +342,7 @@ class Speculator:
         included; None for a forward that was no round), ``seconds`` the iteration took,
         ``load_seconds`` the process's running total of HiCache load time."""
         if accept_lens is not None:
+            self._learn(reqs, accept_lens, seconds)
             self.stats.verified(seconds, [n for i, n in enumerate(accept_lens) if i not in deferred])
             self.stats.add("deferred_rows", len(deferred))
             for i, req in enumerate(reqs):
@@ -260,6 +352,33 @@ class Speculator:
         self.stats.end_iteration(load_seconds)
         if self.tier is not None:
             self.stats.tier(self.tier)
+
+    def _learn(self, reqs, accept_lens: list, seconds: float) -> None:
+        """The controller learns the round's costs and acceptance; requests whose compressor
+        it chose move to another when their measured acceptance says it would do better."""
+        if self.controller is None or self.rows is None or len(self.lens) != len(reqs):
+            return
+        accepted = [max(0, n - 1) for n in accept_lens]
+        self.controller.observe_round(self.rows, max(self.lens, default=0), self.draft_seconds,
+                                      max(seconds - self.draft_seconds, 0.0), self.lens, accepted)
+        self._count_prediction(seconds)
+        self.round_count += 1
+        forced = self.switch_every and self.round_count % self.switch_every == 0
+        for req, row in zip(reqs, self.rows):
+            plan = self.plans.get(req.rid)
+            if plan is None or not plan.auto or plan.switches >= 2 or not (
+                    forced or self.controller.has_evidence(req.rid)):
+                continue
+            cfg = request_config(req.sampling_params.custom_params, self.vc)
+            if forced:
+                name = AUTO_CANDIDATES[(AUTO_CANDIDATES.index(plan.compressor.name) + 1) % len(AUTO_CANDIDATES)]
+            else:
+                name = self._choose_compressor(cfg, row.full_kv, req.rid, plan.compressor.name)
+            if name != plan.compressor.name:
+                self.plans[req.rid] = plan._replace(compressor=self._compressor(cfg, name), switches=plan.switches + 1)
+                self.controller.forget(req.rid)  # its acceptance was the old compressor's
+                self.stats.add("compressor_switches", 1)
+                self.stats.planned(name)
 
     def _sync_store(self, batch: RoundBatch, plans: list[Plan]) -> None:
         for i, req in enumerate(batch.reqs):
@@ -313,7 +432,7 @@ class Speculator:
         parking.start_loads({req.rid: batch.pool_rows[i] for i, req in enumerate(batch.reqs) if verifying[i]})
         self.stats.parking(parking.stats)
 
-    def _queued_drafts(self, batch: RoundBatch, plans: list[Plan], verifying: list[bool]) -> dict:
+    def _queued_drafts(self, batch: RoundBatch, lens: list[int], verifying: list[bool]) -> dict:
         """Rows (verifying this round, in an all-greedy batch) whose drafts were made
         ahead while their prefix was fetched: row -> its drafts for this round."""
         if self.fetch_drafter is None or not len(self.fetch_drafter.queue) or not batch.greedy:
@@ -321,7 +440,7 @@ class Speculator:
         queued = {}
         for i, req in enumerate(batch.reqs):
             if verifying[i] and req.rid in self.fetch_drafter.queue:
-                tokens = self.fetch_drafter.queue.take(req.rid, req.output_ids, plans[i].draft_len)
+                tokens = self.fetch_drafter.queue.take(req.rid, req.output_ids, lens[i])
                 if tokens:
                     queued[i] = tokens
         self.stats.add("fetch_draft_rounds", len(queued))
@@ -339,7 +458,7 @@ class Speculator:
         for i, tokens in queued.items():
             drafts[i, :len(tokens)] = tokens
             drafts[i, len(tokens):] = tokens[-1]
-        if not keep:
+        if not keep or not steps:
             return drafts
         self.store.begin_round([batch.reqs[i].rid for i in keep], steps)
         passes = self.seam.passes

@@ -55,11 +55,24 @@ class SampledRound:
         # without seeds in the batch only greedy rows can be matched
         self.matched = greedy if params.sampling_seed is None else [g or s for g, s in zip(greedy, seeded)]
         self.q_steps = []  # per step: [bs, V] draft distributions (rejection rows; others unused)
+        self._generators = {}  # device -> this round's generator there (see generator())
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """Rejection sampling's generator on ``device`` (where the probabilities are): the
+        CPU one itself, or one seeded from it once per round for an accelerator."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.rng
+        if device not in self._generators:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.rng))
+            self._generators[device] = torch.Generator(device=device).manual_seed(seed)
+        return self._generators[device]
 
     def draw(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One draft step: ``logits`` [drafting rows, V] -> their tokens. The draft
         distributions are kept by batch row ([bs, V]; rows that do not draft stay 0)."""
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+        device = logits.device
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=device)
         match = [j for j, r in enumerate(self.rows) if self.matched[r]]
         reject = [j for j, r in enumerate(self.rows) if not self.matched[r]]
         q = None
@@ -68,9 +81,9 @@ class SampledRound:
             tokens[local] = self.engine_draw(logits[local], RowParams(self.params, rows), 1, positions[local])
         if reject:
             local, rows = torch.tensor(reject), torch.tensor([self.rows[j] for j in reject])
-            q = torch.zeros((len(self.matched), logits.shape[1]), dtype=torch.float32)
+            q = torch.zeros((len(self.matched), logits.shape[1]), dtype=torch.float32, device=device)
             q[rows] = self.probs(logits[local], rows, 1)
-            tokens[local] = torch.multinomial(q[rows], 1, generator=self.rng).view(-1)
+            tokens[local] = torch.multinomial(q[rows], 1, generator=self.generator(device)).view(-1)
         self.q_steps.append(q)
         return tokens
 
@@ -87,30 +100,32 @@ class SampledRound:
         ``skip`` accept nothing. Returns (accepted drafts [bs], emitted tokens [bs, n], -1
         past a row's accepted drafts + 1)."""
         bs, n = candidates.shape
-        num_acc = torch.zeros(bs, dtype=torch.int64)
-        tokens = torch.full((bs, n), -1, dtype=torch.int64)
-        max_accept = torch.full((bs,), n - 1, dtype=torch.int64)
+        device = logits.device  # every tensor of the acceptance lives where the logits do
+        candidates, positions = candidates.to(device), positions.to(device)
+        num_acc = torch.zeros(bs, dtype=torch.int64, device=device)
+        tokens = torch.full((bs, n), -1, dtype=torch.int64, device=device)
+        max_accept = torch.full((bs,), n - 1, dtype=torch.int64, device=device)
         skipped = set(skip)
         match_rows = [i for i, m in enumerate(self.matched) if m and i not in skipped]
         if match_rows:
-            idx = torch.tensor(match_rows)
+            idx = torch.tensor(match_rows, device=device)
             targets = self.engine_draw(logits[idx].reshape(len(idx) * n, -1), RowParams(self.params, idx), n,
                                        positions[idx].reshape(-1)).view(len(idx), n)
-            num_acc[idx], tokens[idx] = chain_match(candidates[idx], targets.cpu(), max_accept[idx])
+            num_acc[idx], tokens[idx] = chain_match(candidates[idx], targets.to(device), max_accept[idx])
         rej_rows = [i for i, m in enumerate(self.matched) if not m and i not in skipped]
         if rej_rows:
-            idx = torch.tensor(rej_rows)
+            idx = torch.tensor(rej_rows, device=device)
             p = self.probs(logits[idx].reshape(len(idx) * n, -1), idx, n).view(len(idx), n, -1)
             q = self._draft_probs(candidates, idx, n, p.shape[-1])
             num_acc[idx], tokens[idx] = rejection_sample_chain(candidates[idx], p, q, max_accept[idx],
-                                                               generator=self.rng)
+                                                               generator=self.generator(device))
         return num_acc, tokens
 
     def _draft_probs(self, candidates, idx, n, vocab) -> torch.Tensor:
         """q [rows, n - 1, V] of the rejection rows ``idx``. Columns past a request's own draft
         length repeat its last draft token, a deterministic proposal: one-hot q there (also
         where no q was recorded)."""
-        q = torch.zeros((len(idx), n - 1, vocab), dtype=torch.float32)
+        q = torch.zeros((len(idx), n - 1, vocab), dtype=torch.float32, device=candidates.device)
         for j in range(n - 1):
             step_q = self.q_steps[j] if j < len(self.q_steps) else None
             if step_q is not None:

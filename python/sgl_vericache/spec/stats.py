@@ -72,6 +72,12 @@ class Stats:
         "compressed_tier_fetch_misses": "Reads the tier had no entry for (evicted there)",
         "compressed_tier_fetch_corrupt": "Reads whose bytes failed the entry's digest (a miss)",
         "compressed_tier_fetches_from_memory": "Reads answered before the entry's write had finished (no I/O)",
+        "plain_iterations": "Decode iterations the adaptive controller ran as plain decoding (no drafts, one token "
+                            "per request)",
+        "spec_iterations": "Decode iterations that ran a VeriCache round",
+        "predicted_step_seconds": "The adaptive controller's predicted seconds of the iterations it decided",
+        "measured_step_seconds": "The measured seconds of those iterations (its predictions' calibration)",
+        "compressor_switches": "Requests moved to another compressor by --vericache-compressor auto",
     }
     GAUGES = {
         "compressed_prefix_bytes": "Bytes of compressed KV held by the prefix cache",
@@ -90,6 +96,14 @@ class Stats:
                 self._prom[name] = Counter(f"vericache:{name}", doc)
             for name, doc in self.GAUGES.items():
                 self._prom[name] = Gauge(f"vericache:{name}", doc)
+            self._prom["draft_steps"] = Counter(
+                "vericache:round_draft_steps", "Rounds per number of draft steps they ran (the chosen draft length)",
+                ["steps"])
+            self._prom["compressor_requests"] = Counter(
+                "vericache:compressor_requests", "Requests planned per compressor method (the server's or a "
+                "request's own custom_params)", ["compressor"])
+        self.compressor_requests = {}  # method name -> requests planned with it
+        self.draft_steps = {}  # draft steps a round ran -> rounds (0: no drafts, e.g. the context's end)
         self._pending_draft = 0.0
 
     def add(self, name, value):
@@ -97,10 +111,20 @@ class Stats:
         if name in self._prom and value:
             self._prom[name].inc(value)
 
-    def drafted(self, seconds, tokens):
+    def planned(self, compressor_name: str) -> None:
+        """A request was planned to draft from ``compressor_name``."""
+        self.compressor_requests[compressor_name] = self.compressor_requests.get(compressor_name, 0) + 1
+        if "compressor_requests" in self._prom:
+            self._prom["compressor_requests"].labels(compressor=compressor_name).inc()
+
+    def drafted(self, seconds, tokens, steps=None):
         self._pending_draft = seconds
         self.add("draft_seconds", seconds)
         self.add("drafted_tokens", tokens)
+        if steps is not None:
+            self.draft_steps[steps] = self.draft_steps.get(steps, 0) + 1
+            if "draft_steps" in self._prom:
+                self._prom["draft_steps"].labels(steps=str(steps)).inc()
 
     def verified(self, seconds, accept_lens):
         lens = [int(x) for x in accept_lens]
@@ -128,7 +152,8 @@ class Stats:
 
     def snapshot(self) -> dict:
         """Every counter's total and every gauge's value (``/server_info``)."""
-        return {**self.totals, **self.gauges}
+        return {**self.totals, **self.gauges, "compressor_requests": dict(self.compressor_requests),
+                "draft_steps": {str(k): v for k, v in sorted(self.draft_steps.items())}}
 
     def tier(self, tier):
         """Bring the ``compressed_tier_*`` counters up to the storage tier's own totals."""

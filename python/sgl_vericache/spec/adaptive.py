@@ -1,0 +1,316 @@
+"""When and how to speculate (no SGLang imports).
+
+Each decode iteration the ``Controller`` picks, for the running batch, plain decoding (one
+token per request, SGLang's ordinary decode forward) or a VeriCache round and its draft
+length, by expected tokens per second:
+
+- **cost**: seconds of a plain decode step, a draft step and a verify pass, each a linear
+  function of the batch (rows, tokens per row, full and compressed KV per row) fitted online
+  (``OnlineLinear``: recursive least squares, forgetting old samples) from the measured time
+  of every forward it sees, starting from a prior;
+- **tokens**: a round of draft length ``d`` emits ``1 + a + a^2 + ... + a^d`` tokens per row
+  in expectation, ``a`` being the row's per-token acceptance (``Acceptance``: its own
+  history, decayed, on top of a prior per compressor that all requests teach);
+- **decision**: the draft length with the most tokens per second, against one token per row
+  per plain step; with hysteresis, so that noise does not flip it every iteration.
+
+While the batch decodes plainly nothing updates the acceptance estimates, so the
+controller probes a short round now and then (backing off while probes keep losing); while
+it speculates it runs a plain step now and then so that the plain cost stays measured.
+
+Under ``--vericache-compressor auto`` each new request drafts from the candidate with the
+best expected tokens per second at its context length (``choose_compressor``), and is moved
+to another when its own measured acceptance says the other would do better by a margin.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+# Per-token acceptance priors per compressor (agreement measured on SmolLM2-135M, fp32, at
+# 4x: docs' calibration table; a 4-bit quantizer agrees most, droppers less at short context).
+PRIOR_ACCEPTANCE = {"full": 0.98, "int8": 0.97, "fp8": 0.96, "kivi4": 0.96, "kivi2": 0.85, "streamingllm": 0.88,
+                    "snapkv": 0.9, "h2o": 0.88, "quest": 0.9}
+DEFAULT_PRIOR = 0.85
+PRIOR_WEIGHT = 4.0  # pseudo-observations (drafts) behind a prior
+
+
+class OnlineLinear:
+    """``seconds ~ w . x``, fitted by recursive least squares with forgetting factor
+    ``forget`` (older samples weigh ``forget^age``), from ``prior`` weights held with
+    confidence ``1 / prior_var``."""
+
+    def __init__(self, prior: Sequence[float], forget: float = 0.97, prior_var: float = 1.0):
+        self.w = [float(v) for v in prior]
+        n = len(self.w)
+        self.p = [[prior_var if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.forget = forget
+        self.samples = 0
+
+    def predict(self, x: Sequence[float]) -> float:
+        return max(0.0, sum(w * v for w, v in zip(self.w, x)))
+
+    def observe(self, x: Sequence[float], seconds: float) -> None:
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        n, lam = len(self.w), self.forget
+        px = [sum(self.p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = lam + sum(x[i] * px[i] for i in range(n))
+        gain = [v / denom for v in px]
+        error = seconds - sum(w * v for w, v in zip(self.w, x))
+        self.w = [w + g * error for w, g in zip(self.w, gain)]
+        self.p = [[(self.p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        self.samples += 1
+
+
+def expected_tokens(alpha: float, draft_len: int) -> float:
+    """Tokens a round of ``draft_len`` drafts emits in expectation at per-token acceptance
+    ``alpha`` (the accepted prefix plus the bonus token)."""
+    if draft_len <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(draft_len + 1)
+    return (1.0 - alpha ** (draft_len + 1)) / (1.0 - alpha)
+
+
+class Acceptance:
+    """Per-token acceptance of one stream of drafts. A round that accepted ``k`` of ``d``
+    drafts observed ``k`` acceptances and, if ``k < d``, one rejection (the drafts after it
+    were never judged). Two estimates: a slow one (counts decayed by ``decay`` per round, on
+    top of ``prior`` held as ``PRIOR_WEIGHT`` drafts) and a fast one (decayed by half each
+    round, a prior of one draft). ``alpha`` is the slow one unless the fast one has fallen
+    well below it: a stream whose drafts suddenly fail (another kind of text) is noticed in
+    two or three rounds, while steady streams keep a low-noise estimate."""
+
+    FAST_DECAY, FAST_DROP = 0.5, 0.12
+
+    def __init__(self, prior: float, decay: float = 0.9):
+        self.prior, self.decay = prior, decay
+        self.slow = [0.0, 0.0]  # decayed (accepted, rejected)
+        self.fast = [0.0, 0.0]
+        self.rounds = 0
+
+    def _estimate(self, counts, weight) -> float:
+        accepted = counts[0] + weight * self.prior
+        return accepted / (accepted + counts[1] + weight * (1.0 - self.prior))
+
+    @property
+    def alpha(self) -> float:
+        slow, fast = self._estimate(self.slow, PRIOR_WEIGHT), self._estimate(self.fast, 1.0)
+        return fast if fast < slow - self.FAST_DROP else slow
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        if drafted <= 0:
+            return
+        rejected = 1.0 if accepted < drafted else 0.0
+        self.rounds += 1
+        for counts, decay in ((self.slow, self.decay), (self.fast, self.FAST_DECAY)):
+            counts[0] = counts[0] * decay + accepted
+            counts[1] = counts[1] * decay + rejected
+
+
+@dataclass
+class Row:
+    """One request of the batch, as the controller sees it."""
+
+    rid: object
+    full_kv: int  # tokens of full KV a verify reads
+    draft_kv: int  # tokens of KV a draft step reads for it (its compressed entry, dense)
+    compressor: str
+    draft_len: Optional[int] = None  # its own custom_params draft length (it then always drafts that)
+    queued: bool = False  # drafts made ahead wait for it: a round costs it no draft steps
+
+
+@dataclass
+class Decision:
+    draft_len: int  # 0: plain decoding
+    predicted_seconds: float
+    predicted_tokens: float
+    probe: bool = False  # chosen to measure, not because it was predicted best
+
+
+@dataclass
+class Costs:
+    """The three step-cost models. Features (KV in thousands of tokens, summed over rows):
+    plain ``[1, rows, full_kv]``; draft step ``[1, rows, draft_kv]``; verify ``[1, rows *
+    width, full_kv, full_kv * width]``. Priors: SmolLM2-135M fp32 on a 2-core CPU (62 ms a
+    decode step at batch 1 plus ~11 ms per 1000 tokens of context per request); the first
+    measurements replace them."""
+
+    plain: OnlineLinear = field(default_factory=lambda: OnlineLinear([0.05, 0.015, 0.011]))
+    draft: OnlineLinear = field(default_factory=lambda: OnlineLinear([0.05, 0.012, 0.006]))
+    verify: OnlineLinear = field(default_factory=lambda: OnlineLinear([0.06, 0.004, 0.013, 0.0003]))
+
+    @staticmethod
+    def plain_x(rows: Sequence[Row]) -> list:
+        return [1.0, float(len(rows)), sum(r.full_kv for r in rows) / 1000]
+
+    @staticmethod
+    def draft_x(rows: Sequence[Row]) -> list:
+        return [1.0, float(len(rows)), sum(r.draft_kv for r in rows) / 1000]
+
+    @staticmethod
+    def verify_x(rows: Sequence[Row], width: int) -> list:
+        kv = sum(r.full_kv for r in rows) / 1000
+        return [1.0, float(len(rows) * width), kv, kv * width]
+
+    def round_seconds(self, rows: Sequence[Row], draft_len: int) -> float:
+        drafting = [r for r in rows if not r.queued]
+        steps = draft_len * (self.draft.predict(self.draft_x(drafting)) if drafting else 0.0)
+        return steps + self.verify.predict(self.verify_x(rows, draft_len + 1))
+
+
+class Controller:
+    """The decision for each iteration, and what it learns from each one's outcome."""
+
+    HYSTERESIS = 0.05  # the other choice must be predicted this much faster to switch
+    PROBE_EVERY = 8  # plain iterations before a probe round (doubles while probes lose)
+    MAX_PROBE_EVERY = 64
+    PROBE_DRAFT = 3
+    PLAIN_PROBE_EVERY = 64  # speculating iterations before a plain step re-measures its cost
+    CALIBRATION_PLAIN = 3  # plain steps measured early (the first iteration, then every 4th), before trusting
+
+    def __init__(self, max_draft_len: int, allow_plain: bool = True, schedule: Sequence[int] = ()):
+        """``schedule``: draft lengths to cycle through instead of deciding (0 = plain), so
+        that tests switch modes deterministically (``VERICACHE_ADAPTIVE_SCHEDULE``)."""
+        self.max_draft_len = max_draft_len
+        self.schedule, self.scheduled = list(schedule), 0
+        self.allow_plain = allow_plain  # False under a full-KV device budget (every round drafts)
+        self.costs = Costs()
+        self.priors = {}  # compressor -> Acceptance shared by its requests (the prior the next one starts from)
+        self.rows = {}  # rid -> its own Acceptance
+        self.speculating = True
+        self.since_switch = 0
+        self.iterations = 0
+        self.probe_every = self.PROBE_EVERY
+        self.last = None  # the last Decision
+
+    # -- acceptance ------------------------------------------------------------------
+
+    def _prior(self, compressor: str) -> Acceptance:
+        if compressor not in self.priors:
+            self.priors[compressor] = Acceptance(PRIOR_ACCEPTANCE.get(compressor, DEFAULT_PRIOR), decay=0.98)
+        return self.priors[compressor]
+
+    def alpha(self, rid, compressor: str) -> float:
+        own = self.rows.get(rid)
+        return own.alpha if own is not None else self._prior(compressor).alpha
+
+    def _row_acceptance(self, row: Row) -> Acceptance:
+        own = self.rows.get(row.rid)
+        if own is None:
+            own = self.rows[row.rid] = Acceptance(self._prior(row.compressor).alpha)
+        return own
+
+    def has_evidence(self, rid, rounds: int = 4) -> bool:
+        """Whether ``rid``'s own acceptance rests on at least ``rounds`` rounds' worth of drafts."""
+        own = self.rows.get(rid)
+        return own is not None and own.rounds >= rounds
+
+    def forget(self, rid) -> None:
+        self.rows.pop(rid, None)
+
+    # -- the decision ----------------------------------------------------------------
+
+    def candidate_lens(self) -> list[int]:
+        lens, d = [], 1
+        while d < self.max_draft_len:
+            lens.append(d)
+            d = d + 1 if d < 4 else d * 2 if d < 16 else d + 8
+        return lens + [self.max_draft_len]
+
+    def tokens(self, rows: Sequence[Row], draft_len: int) -> float:
+        return sum(expected_tokens(self.alpha(r.rid, r.compressor), r.draft_len or draft_len) for r in rows)
+
+    def best_round(self, rows: Sequence[Row]) -> Decision:
+        best = None
+        for d in self.candidate_lens():
+            steps = max([d] + [r.draft_len for r in rows if r.draft_len])
+            seconds, tokens = self.costs.round_seconds(rows, steps), self.tokens(rows, d)
+            if best is None or tokens / max(seconds, 1e-9) > best.predicted_tokens / max(best.predicted_seconds, 1e-9):
+                best = Decision(d, seconds, tokens)
+        return best
+
+    def decide(self, rows: Sequence[Row]) -> Decision:
+        """Plain decoding (``draft_len`` 0) or a round of the returned draft length. Rows with
+        their own draft length or drafts made ahead always make it a round."""
+        spec = self.best_round(rows)
+        plain = Decision(0, self.costs.plain.predict(self.costs.plain_x(rows)), float(len(rows)))
+        forced = any(r.draft_len or r.queued for r in rows) or not self.allow_plain
+        if self.schedule:
+            d = min(self.schedule[self.scheduled % len(self.schedule)], self.max_draft_len)
+            self.scheduled += 1
+            d = d or (spec.draft_len if forced else 0)
+            self.last = Decision(d, self.costs.round_seconds(rows, d) if d else plain.predicted_seconds,
+                                 self.tokens(rows, d) if d else plain.predicted_tokens)
+            return self.last
+        rate = lambda d: d.predicted_tokens / max(d.predicted_seconds, 1e-9)  # noqa: E731
+        if forced:
+            choice = spec
+        elif self.speculating:
+            choice = plain if rate(plain) > rate(spec) * (1 + self.HYSTERESIS) else spec
+        else:
+            choice = spec if rate(spec) > rate(plain) * (1 + self.HYSTERESIS) else plain
+        self.since_switch += 1
+        self.iterations += 1
+        if not forced and choice.draft_len == 0 and self.since_switch >= self.probe_every:
+            choice = Decision(min(self.PROBE_DRAFT, self.max_draft_len), self.costs.round_seconds(rows, self.PROBE_DRAFT),
+                              self.tokens(rows, self.PROBE_DRAFT), probe=True)
+        elif not forced and choice.draft_len and (self.since_switch >= self.PLAIN_PROBE_EVERY or (
+                self.costs.plain.samples < self.CALIBRATION_PLAIN and self.iterations % 4 == 1)):
+            choice = Decision(0, plain.predicted_seconds, plain.predicted_tokens, probe=True)
+        if choice.probe or (choice.draft_len > 0) != self.speculating:
+            self.since_switch = 0
+        if not choice.probe:
+            self.speculating = choice.draft_len > 0
+        self.last = choice
+        return choice
+
+    # -- what happened ---------------------------------------------------------------
+
+    def observe_plain(self, rows: Sequence[Row], seconds: float) -> None:
+        self.costs.plain.observe(self.costs.plain_x(rows), seconds)
+
+    def observe_round(self, rows: Sequence[Row], steps: int, draft_seconds: float, verify_seconds: float,
+                      drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        """A round: ``steps`` draft steps took ``draft_seconds`` together, the verify pass
+        (width ``steps + 1``) ``verify_seconds``; row i drafted ``drafted[i]`` tokens of which
+        verify accepted ``accepted[i]`` (a deferred row: 0 drafted)."""
+        drafting = [r for r in rows if not r.queued]
+        if steps and drafting and draft_seconds > 0:
+            self.costs.draft.observe(self.costs.draft_x(drafting), draft_seconds / steps)
+        self.costs.verify.observe(self.costs.verify_x(rows, steps + 1), verify_seconds)
+        gained = 0.0
+        for row, d, k in zip(rows, drafted, accepted):
+            self._row_acceptance(row).observe(k, d)
+            self._prior(row.compressor).observe(k, d)
+            gained += k
+        if self.last is not None and self.last.probe and self.last.draft_len:
+            # a probe that paid resets the back-off; one that lost doubles it
+            won = gained + len(rows) > len(rows) * (draft_seconds + verify_seconds) / max(
+                self.costs.plain.predict(self.costs.plain_x(rows)), 1e-9)
+            self.probe_every = self.PROBE_EVERY if won else min(self.probe_every * 2, self.MAX_PROBE_EVERY)
+
+    # -- compressor choice (--vericache-compressor auto) ------------------------------
+
+    def choose_compressor(self, candidates: Sequence[tuple[str, float]], context: int,
+                          rid=None, current: Optional[str] = None, margin: float = 0.0) -> str:
+        """The candidate (name, fraction of the full KV a draft step reads) with the most
+        expected tokens per second for one request of ``context`` tokens; with ``current``,
+        another wins only by ``margin``."""
+        def rate(name, fraction):
+            alpha = self.alpha(rid, name) if name == current else self._prior(name).alpha
+            row = Row(rid, context, int(context * fraction), name)
+            best = 0.0
+            for d in self.candidate_lens():
+                row_alpha_tokens = expected_tokens(alpha, d)
+                best = max(best, row_alpha_tokens / max(self.costs.round_seconds([row], d), 1e-9))
+            return best
+
+        rates = {name: rate(name, fraction) for name, fraction in candidates}
+        best = max(rates, key=rates.get)
+        if current in rates and rates[best] <= rates[current] * (1 + margin):
+            return current
+        return best

@@ -1,0 +1,170 @@
+"""The speculation controller (spec/adaptive.py) against synthetic step costs and
+acceptance traces, without SGLang: it must decode plainly when drafts are rejected, draft
+long when they are accepted, and follow a workload that changes within a few iterations."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from sgl_vericache.spec.adaptive import Acceptance, Controller, OnlineLinear, Row, expected_tokens
+
+
+class World:
+    """True costs of a CPU-like engine (the controller starts from other priors) and true
+    per-token acceptance per request; ``step`` runs one iteration the controller chose."""
+
+    def __init__(self, rows, alpha, seed=0, scale=1.0):
+        self.rows, self.alpha, self.rng, self.scale = rows, alpha, random.Random(seed), scale
+        self.seconds = self.tokens = 0.0
+
+    def plain_seconds(self):
+        return self.scale * (0.07 + 0.012 * len(self.rows) + 1.2e-5 * sum(r.full_kv for r in self.rows))
+
+    def draft_seconds(self):
+        return self.scale * (0.06 + 0.010 * len(self.rows) + 4e-6 * sum(r.draft_kv for r in self.rows))
+
+    def verify_seconds(self, width):
+        kv = sum(r.full_kv for r in self.rows)
+        return self.scale * (0.075 + 0.005 * len(self.rows) * width + 1.4e-5 * kv + 2e-7 * kv * width)
+
+    def step(self, ctl: Controller):
+        decision = ctl.decide(self.rows)
+        d = decision.draft_len
+        if d == 0:
+            t = self.plain_seconds()
+            ctl.observe_plain(self.rows, t)
+            self.seconds += t
+            self.tokens += len(self.rows)
+            return decision
+        accepted = []
+        for r in self.rows:
+            k = 0
+            while k < d and self.rng.random() < self.alpha(r):
+                k += 1
+            accepted.append(k)
+        draft_t, verify_t = d * self.draft_seconds(), self.verify_seconds(d + 1)
+        ctl.observe_round(self.rows, d, draft_t, verify_t, [d] * len(self.rows), accepted)
+        self.seconds += draft_t + verify_t
+        self.tokens += sum(accepted) + len(self.rows)
+        return decision
+
+
+def _rows(n, context, fraction=0.25, compressor="streamingllm"):
+    return [Row(f"r{i}", context, int(context * fraction), compressor) for i in range(n)]
+
+
+def test_online_linear_learns_the_true_costs_from_a_wrong_prior():
+    model = OnlineLinear([1.0, 0.0, 0.0])
+    rng = random.Random(1)
+    for _ in range(200):
+        x = [1.0, rng.randint(1, 16), rng.randint(100, 20000)]
+        model.observe(x, 0.05 + 0.01 * x[1] + 2e-5 * x[2])
+    assert model.predict([1.0, 4, 8000]) == pytest.approx(0.05 + 0.04 + 0.16, rel=0.02)
+
+
+def test_expected_tokens_and_acceptance_estimates():
+    assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 8) == 9.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    acc = Acceptance(prior=0.85)
+    for _ in range(40):
+        acc.observe(9, 10)  # 9 accepted, then a rejection: alpha 0.9
+    assert acc.alpha == pytest.approx(0.9, abs=0.02)
+    acc.observe(0, 0)  # nothing drafted: nothing learned
+    assert acc.alpha == pytest.approx(0.9, abs=0.02)
+
+
+def test_rejected_drafts_mean_plain_decoding():
+    ctl, world = Controller(max_draft_len=16), World(_rows(4, 2000), alpha=lambda r: 0.1)
+    decisions = [world.step(ctl).draft_len for _ in range(300)]
+    tail = decisions[-200:]
+    assert tail.count(0) / len(tail) > 0.9, tail  # plain, but for rare probes
+    assert max(tail) <= Controller.PROBE_DRAFT
+    # and no slower than decoding plainly all along (probes cost a little)
+    plain_rate = len(world.rows) / world.plain_seconds()
+    assert world.tokens / world.seconds > 0.9 * plain_rate
+
+
+def _best_rate(world, ctl):
+    """The true best tokens per second over the controller's draft lengths, and plain's."""
+    rates = {0: len(world.rows) / world.plain_seconds()}
+    for d in ctl.candidate_lens():
+        tokens = sum(expected_tokens(world.alpha(r), d) for r in world.rows)
+        rates[d] = tokens / (d * world.draft_seconds() + world.verify_seconds(d + 1))
+    return rates
+
+
+@pytest.mark.parametrize("alpha", [0.97, 0.85])
+def test_accepted_drafts_mean_rounds_near_the_best_length(alpha):
+    """At 8k context, one request: the controller's tokens per second come near the
+    true best draft length's (which it does not know: it learns costs and acceptance from
+    outcomes) within 10%, and its usual draft length is long when drafts are accepted, short when less."""
+    ctl, world = Controller(max_draft_len=30), World(_rows(1, 8000), alpha=lambda r: alpha)
+    decisions = [world.step(ctl) for _ in range(300)]
+    rates = _best_rate(world, ctl)
+    assert world.tokens / world.seconds > 0.9 * max(rates.values()), rates
+    usual = Counter(d.draft_len for d in decisions[-150:]).most_common(1)[0][0]
+    assert usual >= 8 if alpha > 0.9 else 1 <= usual <= 4, usual
+
+
+def test_it_follows_a_workload_that_changes():
+    """Acceptance collapses (a new kind of prompt): plain within a few iterations; new
+    requests that draft well arrive: speculation within a few iterations again."""
+    phase = {"alpha": 0.97}
+    world = World(_rows(2, 6000), alpha=lambda r: phase["alpha"])
+    ctl = Controller(max_draft_len=16)
+    for _ in range(60):
+        world.step(ctl)
+    assert ctl.speculating
+    phase["alpha"] = 0.05
+    switched = next(i for i in range(1, 30) if world.step(ctl).draft_len == 0)
+    assert switched <= 8, switched
+    for _ in range(100):
+        world.step(ctl)
+    assert not ctl.speculating
+    phase["alpha"] = 0.97
+    world.rows = [Row(f"new{i}", 6000, 1500, "streamingllm") for i in range(2)]  # fresh requests
+    for r in list(ctl.rows):
+        ctl.forget(r)
+    back = next(i for i in range(1, 200) if world.step(ctl).draft_len > 0 and ctl.speculating)
+    assert back <= 32, back  # found by the probes (every 8-64 plain iterations), then confirmed
+
+
+def test_forced_rows_and_budget_always_speculate():
+    world = World(_rows(2, 500), alpha=lambda r: 0.0)
+    world.rows[0].draft_len = 4  # a request's own custom_params draft length
+    ctl = Controller(max_draft_len=16)
+    assert all(world.step(ctl).draft_len > 0 for _ in range(30))
+    ctl = Controller(max_draft_len=16, allow_plain=False)  # a full-KV device budget staggers rounds
+    world.rows[0].draft_len = None
+    assert all(world.step(ctl).draft_len > 0 for _ in range(30))
+
+
+def test_plain_cost_is_remeasured_while_speculating():
+    ctl, world = Controller(max_draft_len=16), World(_rows(1, 8000), alpha=lambda r: 0.97)
+    decisions = [world.step(ctl) for _ in range(3 * Controller.PLAIN_PROBE_EVERY)]
+    probes = [d for d in decisions if d.probe and d.draft_len == 0]
+    # three to calibrate (the first iteration, then every 4th), then one every PLAIN_PROBE_EVERY
+    assert decisions[0].probe and decisions[0].draft_len == 0
+    assert Controller.CALIBRATION_PLAIN + 1 <= len(probes) <= Controller.CALIBRATION_PLAIN + 3, len(probes)
+    assert ctl.costs.plain.samples == len(probes)
+
+
+@pytest.mark.parametrize("context, expected", [(300, "kivi4"), (8000, "streamingllm")])
+def test_auto_compressor_by_context(context, expected):
+    """On this CPU a quantizer drafts over a dense copy (no fewer bytes than the full KV) but
+    agrees more; a dropper reads a quarter: it wins once the KV dominates the step."""
+    ctl = Controller(max_draft_len=16)
+    assert ctl.choose_compressor([("streamingllm", 0.25), ("kivi4", 1.0)], context) == expected
+
+
+def test_auto_compressor_is_rechosen_when_measured_acceptance_says_so():
+    ctl = Controller(max_draft_len=16)
+    cands = [("streamingllm", 0.25), ("kivi4", 1.0)]
+    row = Row("r", 8000, 2000, "streamingllm")
+    assert ctl.choose_compressor(cands, 8000, "r", current="streamingllm", margin=0.15) == "streamingllm"
+    for _ in range(20):  # this request's drafts from streamingllm keep failing early
+        ctl.observe_round([row], 8, 0.5, 0.2, [8], [0])
+    assert ctl.choose_compressor(cands, 8000, "r", current="streamingllm", margin=0.15) == "kivi4"

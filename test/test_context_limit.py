@@ -1,0 +1,69 @@
+"""Drafts and verifies at the end of the model's context (issue 29).
+
+A round verifies its root and drafts at positions ``seq_len .. seq_len + width - 1``; near
+the context's end those would pass the model's last position (its rotary table ends there:
+an index error in the scheduler, the whole server down). The round's draft lengths are cut
+so that every position stays inside the context. Here the default model is served with a
+320-token context (its config's ``max_position_embeddings``), and two requests, one whose
+prompt + ``max_new_tokens`` is exactly the context length, decode together to their last
+token: token ids equal speculation off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+CONTEXT = 320
+PARAMS = {"temperature": 0, "ignore_eos": True}
+
+
+def _short_context_model(model_path, tmp_path):
+    """The default model's files, its config saying ``CONTEXT`` positions."""
+    short = tmp_path / "smollm2-320"
+    short.mkdir()
+    for f in model_path.iterdir():
+        if f.name != "config.json":
+            (short / f.name).symlink_to(f)
+    config = json.loads((model_path / "config.json").read_text())
+    config["max_position_embeddings"] = CONTEXT
+    (short / "config.json").write_text(json.dumps(config))
+    return short
+
+
+def _generate(model, prompts, spec):
+    from sgl_vericache.config import VeriCacheConfig
+
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    from sglang.srt.entrypoints.engine import Engine
+
+    kw = {}
+    if spec:
+        VeriCacheConfig(compressor="streamingllm", draft_len=16, adaptive=False).to_env()
+        kw = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=17,
+                  speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
+    engine = Engine(model_path=str(model), device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                    dtype="float32", max_total_tokens=4096, log_level="warning", **kw)
+    try:
+        assert engine.tokenizer_manager.context_len == CONTEXT
+        params = [{**PARAMS, "max_new_tokens": CONTEXT - len(p) - extra} for p, extra in zip(prompts, (0, 40))]
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        return [o["output_ids"] for o in outs], [o["meta_info"].get("spec_verify_ct", 0) for o in outs]
+    finally:
+        engine.shutdown()
+
+
+def test_rounds_at_the_end_of_the_context_stay_inside_it(default_model_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    model = _short_context_model(default_model_path, tmp_path)
+    tok = AutoTokenizer.from_pretrained(model)
+    text = ("The tile cache daemon keeps a journal per shard and batches its writes; a torn entry is caught by "
+            "its checksum and skipped. ") * 12
+    ids = tok(text)["input_ids"]
+    prompts = [ids[:270], ids[:230]]  # 270 + 50 new = the context; 230 + 50 new ends 40 short of it
+    ref, _ = _generate(model, prompts, spec=False)
+    ours, rounds = _generate(model, prompts, spec=True)
+    assert [len(o) for o in ref] == [50, 50]
+    assert ours == ref, [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(ours, ref)]
+    assert all(0 < r < 50 for r in rounds), rounds  # it speculated (fewer rounds than tokens)

@@ -1,0 +1,89 @@
+"""GPU launch hazards (issue 29), decided on any machine and, where CUDA exists, run there.
+
+- CUDA graphs stay off with VeriCache on: a draft pass is a DECODE forward SGLang would
+  replay from a graph captured for the target's attention. The launcher adds
+  --disable-cuda-graph; an engine built another way with graphs on a CUDA device is refused.
+- A sampled round keeps its generator and tensors on the logits' device.
+
+Imports nothing from SGLang, so scripts/gpu_check.sh can run it on a bare GPU machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_vericache.config import VeriCacheConfig
+from sgl_vericache.sglang.server import apply_vericache_flags, check_cuda_graphs
+from sgl_vericache.spec.sampled_round import SampledRound
+
+
+def test_the_launcher_turns_cuda_graphs_off_with_vericache_on():
+    argv = apply_vericache_flags(VeriCacheConfig(), ["--model-path", "m"])
+    assert argv.count("--disable-cuda-graph") == 1
+    assert apply_vericache_flags(VeriCacheConfig(), ["--disable-cuda-graph"]).count("--disable-cuda-graph") == 1
+    # speculation off: SGLang's own choice stands
+    assert "--disable-cuda-graph" not in apply_vericache_flags(VeriCacheConfig(enable=False), ["--model-path", "m"])
+
+
+def test_a_vericache_worker_refuses_cuda_graphs_on_cuda():
+    with pytest.raises(ValueError, match="VERICACHE needs --disable-cuda-graph"):
+        check_cuda_graphs(True, "cuda")
+    with pytest.raises(ValueError, match="needs --disable-cuda-graph"):
+        check_cuda_graphs(True, "cuda:1")
+    check_cuda_graphs(False, "cuda")
+    check_cuda_graphs(True, "cpu")  # no graphs exist on a CPU device
+
+
+class _Params:
+    """Per-row sampling parameters as SGLang's SamplingBatchInfo holds them."""
+
+    def __init__(self, rows, device, seeded):
+        self.temperatures = torch.full((rows, 1), 0.8, device=device)
+        self.top_ks = torch.full((rows,), 40, dtype=torch.int32, device=device)
+        self.top_ps = torch.full((rows,), 0.95, device=device)
+        self.min_ps = torch.zeros(rows, device=device)
+        self.sampling_seed = torch.arange(rows, dtype=torch.int64, device=device) + 7 if seeded else None
+        self.need_top_p_sampling = self.need_top_k_sampling = True
+        self.need_min_p_sampling = False
+
+
+def _engine_draw(logits, params, repeat, positions):
+    assert logits.device == positions.device == params.temperatures.device, "a draw across devices"
+    return torch.argmax(logits, dim=-1)  # stands in for SGLang's seeded sampler (the seam's engine_draw)
+
+
+def _sampled_round_on(device):
+    rows, vocab, n = 3, 50, 4
+    params = _Params(rows, device, seeded=True)
+    rnd = SampledRound(params, seeded=[True, False, False], rows=[0, 1, 2], engine_draw=_engine_draw,
+                       rng=torch.Generator().manual_seed(0))
+    gen = torch.Generator(device=device).manual_seed(1)
+    drafts = []
+    for step in range(n - 1):
+        logits = torch.randn(rows, vocab, device=device, generator=gen)
+        tokens = rnd.draw(logits, torch.full((rows,), 10 + step, device=device))
+        assert tokens.device == logits.device and tokens.dtype == torch.int64
+        drafts.append(tokens)
+    roots = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+    candidates = torch.cat([roots, torch.stack(drafts, 1)], 1)
+    verify_logits = torch.randn(rows, n, vocab, device=device, generator=gen)
+    positions = torch.arange(n, device=device).repeat(rows, 1) + 10
+    num_acc, tokens = rnd.accept(candidates, verify_logits, positions, skip=[2])
+    assert num_acc.device == tokens.device == verify_logits.device
+    assert int(num_acc[2]) == 0 and bool((tokens[2] == -1).all())  # a skipped row accepts nothing
+    for b in range(2):
+        k = int(num_acc[b])
+        assert 0 <= k <= n - 1 and bool((tokens[b, : k + 1] >= 0).all()) and bool((tokens[b, k + 1:] == -1).all())
+    return rnd
+
+
+def test_a_sampled_round_on_cpu():
+    rnd = _sampled_round_on("cpu")
+    assert rnd._generators == {}  # the CPU generator itself served
+
+
+@pytest.mark.gpu
+def test_a_sampled_round_keeps_its_tensors_on_the_gpu():
+    rnd = _sampled_round_on("cuda")
+    assert [d.type for d in rnd._generators] == ["cuda"]  # one generator, seeded from the CPU one
