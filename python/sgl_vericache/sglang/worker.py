@@ -217,7 +217,8 @@ def make_worker_class(runtime: Runtime):
             width = self.max_width
             if batch.forward_mode.is_decode():
                 self._release_departed(batch)
-                width = self.speculator.begin_iteration(batch.reqs, batch.seq_lens_cpu.tolist(), self.max_width)
+                width = self.speculator.begin_iteration(batch.reqs, batch.seq_lens_cpu.tolist(), self.max_width,
+                                                        must_round=bool(batch.return_logprob or batch.has_grammar))
                 self.plain, width = width == 0, width or self.max_width
             self._set_width(width)
             try:

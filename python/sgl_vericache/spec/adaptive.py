@@ -233,12 +233,12 @@ class Controller:
                 best = Decision(d, seconds, tokens)
         return best
 
-    def decide(self, rows: Sequence[Row]) -> Decision:
+    def decide(self, rows: Sequence[Row], force: bool = False) -> Decision:
         """Plain decoding (``draft_len`` 0) or a round of the returned draft length. Rows with
-        their own draft length or drafts made ahead always make it a round."""
+        their own draft length or drafts made ahead, and ``force``, always make it a round."""
         spec = self.best_round(rows)
         plain = Decision(0, self.costs.plain.predict(self.costs.plain_x(rows)), float(len(rows)))
-        forced = any(r.draft_len or r.queued for r in rows) or not self.allow_plain
+        forced = force or any(r.draft_len or r.queued for r in rows) or not self.allow_plain
         if self.schedule:
             d = min(self.schedule[self.scheduled % len(self.schedule)], self.max_draft_len)
             self.scheduled += 1

@@ -276,16 +276,18 @@ class Speculator:
             return plan.draft_len
         return min(plan.draft_len, self.decision.draft_len)
 
-    def begin_iteration(self, reqs, verified: Sequence[int], max_width: int) -> int:
+    def begin_iteration(self, reqs, verified: Sequence[int], max_width: int, must_round: bool = False) -> int:
         """Decide a decode iteration: 0 = plain decoding (no drafts, SGLang's one-token step),
-        else the width each request verifies (root + the batch's longest draft)."""
+        else the width each request verifies (root + the batch's longest draft). ``must_round``:
+        the batch returns logprobs or follows a grammar (SGLang's bookkeeping for those expects
+        a round)."""
         self.decision = self.rows = None
         if self.controller is not None:
             queued = self.fetch_drafter.queue if self.fetch_drafter is not None else ()
             self.rows = [Row(req.rid, n, int(n * draft_kv_fraction(plan.compressor)), plan.compressor.name,
                              plan.draft_len if plan.fixed else None, req.rid in queued)
                          for req, n, plan in ((r, n, self.plan(r)) for r, n in zip(reqs, verified))]
-            self.decision = self.controller.decide(self.rows)
+            self.decision = self.controller.decide(self.rows, force=must_round)
             if self.decision.draft_len == 0:
                 self.stats.add("plain_iterations", 1)
                 return 0
