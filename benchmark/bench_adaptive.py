@@ -100,12 +100,21 @@ def check(parser, cfg: AdaptiveConfig) -> None:
 # ---------------------------------------------------------------- engines and arms
 
 
+def kv_tokens(cfg: AdaptiveConfig) -> int:
+    """A KV pool that holds the largest workload's requests (and W2's histories) at once."""
+    w2 = cfg.w2_agents * (1200 + cfg.w2_turns * (cfg.w2_new_tokens + 40))
+    need = max(cfg.w1_requests * (cfg.w1_max_prompt + cfg.w1_new_tokens), w2,
+               cfg.w3_requests * (cfg.w3_context + cfg.w3_new_tokens), cfg.w4_context + cfg.w4_new_tokens)
+    return int(need * 1.3) + 2048
+
+
 def start_engines(model_path: str, cfg: AdaptiveConfig) -> dict:
     from sgl_vericache.config import VeriCacheConfig
 
+    pool = kv_tokens(cfg)
     spec = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=cfg.max_draft_len + 1,
-                speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=40000)
-    engines = {"off": EngineProc(model_path, dict(CPU_ENV), max_total_tokens=40000)}
+                speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, max_total_tokens=pool)
+    engines = {"off": EngineProc(model_path, dict(CPU_ENV), max_total_tokens=pool)}
     VeriCacheConfig(compressor="kivi4", draft_len=cfg.max_draft_len, adaptive=False).to_env()  # read by the child
     engines["fixed"] = EngineProc(model_path, dict(CPU_ENV), **spec)
     VeriCacheConfig(compressor="auto", draft_len=cfg.max_draft_len, adaptive=True).to_env()
