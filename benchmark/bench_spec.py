@@ -200,7 +200,7 @@ def _engine_main(conn, model_path: str, env: dict, engine_kw: dict, forked: bool
     try:
         from sglang.srt.entrypoints.engine import Engine
 
-        engine = Engine(model_path=model_path, **ENGINE_KW, **engine_kw)
+        engine = Engine(model_path=model_path, **{**ENGINE_KW, **engine_kw})  # engine_kw may override
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
