@@ -26,7 +26,6 @@ token by token with the off arm (greedy and seeded), the controller's counters.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from dataclasses import dataclass

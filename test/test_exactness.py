@@ -520,7 +520,7 @@ def adaptive_engine(default_model_path):
     and rounds of several draft lengths mid-generation, and its auto requests moved to the
     other candidate compressor every ``SWITCH_EVERY`` rounds (their compressed entry rebuilt)."""
     from sgl_vericache.config import VeriCacheConfig
-    from sgl_vericache.spec.round import SCHEDULE_ENV, SWITCH_ENV
+    from sgl_vericache.spec.plan import SCHEDULE_ENV, SWITCH_ENV
 
     VeriCacheConfig(compressor="auto", draft_len=16).to_env()
     with pytest.MonkeyPatch.context() as env:  # read when the scheduler starts

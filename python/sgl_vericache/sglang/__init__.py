@@ -4,7 +4,7 @@ One module per SGLang subsystem it touches, each opening with the SGLang classes
 patches and why:
 
 - ``server``: our config turned into SGLang flags, the HTTP server launch;
-- ``worker``: the ``VERICACHE`` speculative algorithm and its worker (NGRAM's shape);
+- ``spec_algorithm``, ``worker``: the ``VERICACHE`` speculative algorithm and its worker (NGRAM's shape);
 - ``forward``: draft forward passes over compressed KV, narrowed verify batches;
 - ``attention``: the draft and verify attention backends, the CPU engine's extend;
 - ``sampling``: seeded sampling on the pytorch sampler, acceptance for sampled rounds;
@@ -35,14 +35,14 @@ def register_all() -> Runtime:
         return _PROCESS_RUNTIME
     from sgl_vericache.config import VeriCacheConfig
     from sgl_vericache.cpu import compat
-    from sgl_vericache.sglang import attention, forward, hicache, linear, radix, sampling, scheduler, storage, worker
+    from sgl_vericache.sglang import attention, forward, hicache, linear, radix, sampling, scheduler, spec_algorithm, storage
     from sgl_vericache.sglang import containment, validation
 
     compat.install()
     runtime = _PROCESS_RUNTIME = Runtime()
     vc = VeriCacheConfig.from_env() or VeriCacheConfig()
     installs = [
-        worker.install_spec_algorithm,  # --speculative-algorithm VERICACHE
+        spec_algorithm.install_spec_algorithm,  # --speculative-algorithm VERICACHE
         sampling.install_seeded_sampling,  # sampling_seed on the pytorch sampler, per row
         sampling.install_verify_sampler,  # sampled rounds' acceptance; deferred rows accept nothing
         hicache.install_cpu_hicache,  # HiCache with a CPU device pool; load timing

@@ -1,12 +1,13 @@
-"""The ``VERICACHE`` speculative algorithm and its worker.
+"""The ``VERICACHE`` worker (imported when SGLang builds one: it imports SGLang's NGRAM worker).
 
-Touches the speculative-algorithm registry (``SpeculativeAlgorithm.register``,
-``CustomSpecAlgo``) and ``NGRAMWorker``, whose shape VERICACHE shares (no draft model, no
-draft KV, a linear chain verified by the target): SGLang's NGRAM scheduling, verify pass,
-acceptance and KV move run unchanged, and the worker replaces NGRAM's corpus lookup
-(``_prepare_draft_tokens``) with a VeriCache round (``spec.round.Speculator``). Also
+Touches ``NGRAMWorker``, whose shape VERICACHE shares (no draft model, no draft KV, a linear
+chain verified by the target): SGLang's NGRAM scheduling, verify pass, acceptance and KV
+move run unchanged, and the worker replaces NGRAM's corpus lookup (``_prepare_draft_tokens``)
+with a VeriCache round (``spec.round.Speculator``), or, when the adaptive controller says
+so, runs SGLang's plain one-token decode step (``_prepare_for_speculative_decoding``). Also
 NGRAM's verify buffers, kept per verify width (a round verifies as many tokens as its
-longest draft needs), and the model runner's pools, read through ``WorkerSeam``.
+longest draft needs), ``assign_extend_cache_locs`` (a plain step's KV slot) and the model
+runner's pools, read through ``WorkerSeam``.
 """
 
 from __future__ import annotations
@@ -14,63 +15,19 @@ from __future__ import annotations
 import time
 
 import torch
+from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.runtime_context import get_device, get_memory, get_observability, get_schedule, get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
 from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
-from sgl_vericache.sglang.server import SPEC_ALGORITHM, check_cuda_graphs, check_parking_args
+from sgl_vericache.sglang.server import check_cuda_graphs, check_parking_args
 from sgl_vericache.spec.round import RoundBatch, Speculator, last_token
 from sgl_vericache.spec.stats import Stats
-
-
-def install_spec_algorithm(runtime: Runtime) -> None:
-    """``--speculative-algorithm VERICACHE``, whose worker is built for ``runtime``."""
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
-
-    if get_spec(SPEC_ALGORITHM) is not None:
-        return
-
-    class VeriCacheSpecAlgo(CustomSpecAlgo):
-        # SGLang dispatches NGRAM's scheduling, relay and verify-input branches on
-        # is_ngram(); VERICACHE has the same shape (no draft model, no draft KV,
-        # linear chain verified by the target), so it takes those branches.
-        def is_ngram(self) -> bool:
-            return True
-
-        def has_draft_kv(self) -> bool:
-            return False
-
-        # Called on every algorithm but missing from CustomSpecAlgo in 0.5.23.
-        def carries_draft_hidden_states(self) -> bool:
-            return False
-
-        def need_topk(self) -> bool:
-            return False
-
-        def get_platform_worker_cls(self):
-            return None
-
-        def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens=True,
-                              needs_confidence_relay=False):
-            from sglang.srt.managers.overlap_utils import FutureMap
-
-            return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
-
-        def handle_server_args(self, server_args) -> None:
-            from sglang.srt.arg_groups.speculative_hook import _handle_ngram
-
-            _handle_ngram(server_args)
-
-    worker_class = []  # built on first use: it subclasses SGLang's NGRAMWorker
-
-    def factory(server_args):
-        if not worker_class:
-            worker_class.append(make_worker_class(runtime))
-        return worker_class[0]
-
-    SpeculativeAlgorithm.register(SPEC_ALGORITHM, spec_class=VeriCacheSpecAlgo, supports_overlap=False)(factory)
 
 
 class NoCorpus:
@@ -146,164 +103,162 @@ class WorkerSeam:
         return sum(b[0].numel() * b.element_size() for b in bufs if b.dim() > 0 and len(b))
 
 
-def make_worker_class(runtime: Runtime):
-    from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-    from sglang.srt.runtime_context import get_device, get_memory, get_observability, get_schedule, get_spec
-    from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
-    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+class VeriCacheWorker(NGRAMWorker):
+    """NGRAM's worker with VeriCache rounds in place of its corpus lookup: SGLang calls in
+    (``forward_batch_generation``, ``_prepare_draft_tokens``, ...), the round goes out to
+    ``self.speculator``. ``runtime`` is set by ``spec_algorithm`` before SGLang builds one."""
 
-    class VeriCacheWorker(NGRAMWorker):
-        def __init__(self, server_args, gpu_id, nccl_port, target_worker, **_):
-            BaseSpecWorker.__init__(self)
-            self.server_args = server_args
-            self.enable_overlap = not get_schedule().disable_overlap_schedule
-            self._target_worker = target_worker
-            self.model_runner = target_worker.model_runner
-            self.page_size = get_schedule().page_size
-            self.draft_token_num = get_spec().speculative_num_draft_tokens
-            self.speculative_num_draft_tokens = self.draft_token_num
-            self.max_trie_depth = 1
-            self.topk = 1
-            self.speculative_num_steps = self.draft_token_num
-            self.device = get_device().device
-            self.adaptive_controller = None
-            self._prev_decode_rids = set()
-            self._last_decode_rids = set()  # rids of the last decode iteration (rounds and plain steps)
-            self.plain = False  # this iteration decodes plainly (--vericache-adaptive chose no drafts)
-            self.grammar_tree_host = None
-            self.cuda_graphs = not getattr(server_args, "disable_cuda_graph", True)
-            check_cuda_graphs(self.cuda_graphs, self.device)
-            self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
-            self.runtime = runtime
-            draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
-            self.seam = WorkerSeam(self, runtime, draft_weights)
-            rng = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
-            self.speculator = Speculator(self.vc, self.seam, Stats(get_observability().enable_metrics), rng)
-            self.ngram_corpus = NoCorpus(self.speculator.release_departed)
-            self.verify_backend = None
-            if self.vc.full_device_budget >= 0:
-                check_parking_args(get_memory().radix_cache_backend, self.page_size)
-            runtime.workers.add(self)
+    runtime: Runtime = None
 
-        def check_integrity(self):
-            self.speculator.check_integrity(radix.CacheIntegrityError)
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker, **_):
+        BaseSpecWorker.__init__(self)
+        self.server_args = server_args
+        self.enable_overlap = not get_schedule().disable_overlap_schedule
+        self._target_worker = target_worker
+        self.model_runner = target_worker.model_runner
+        self.page_size = get_schedule().page_size
+        self.draft_token_num = get_spec().speculative_num_draft_tokens
+        self.speculative_num_draft_tokens = self.draft_token_num
+        self.max_trie_depth = 1
+        self.topk = 1
+        self.speculative_num_steps = self.draft_token_num
+        self.device = get_device().device
+        self.adaptive_controller = None
+        self._prev_decode_rids = set()
+        self._last_decode_rids = set()  # rids of the last decode iteration (rounds and plain steps)
+        self.plain = False  # this iteration decodes plainly (--vericache-adaptive chose no drafts)
+        self.grammar_tree_host = None
+        self.cuda_graphs = not getattr(server_args, "disable_cuda_graph", True)
+        check_cuda_graphs(self.cuda_graphs, self.device)
+        self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
+        runtime = self.runtime
+        draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
+        self.seam = WorkerSeam(self, runtime, draft_weights)
+        rng = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
+        self.speculator = Speculator(self.vc, self.seam, Stats(get_observability().enable_metrics), rng)
+        self.ngram_corpus = NoCorpus(self.speculator.release_departed)
+        self.verify_backend = None
+        if self.vc.full_device_budget >= 0:
+            check_parking_args(get_memory().radix_cache_backend, self.page_size)
+        runtime.workers.add(self)
 
-        def alloc_memory_pool(self, **kwargs):
-            super().alloc_memory_pool(**kwargs)
-            # NGRAM sizes its verify buffers for one fixed width; keep one set per width
-            # so that a round verifies only as many tokens as its longest draft needs.
-            self.max_width = self.draft_token_num
-            before = dict(vars(self))
+    def check_integrity(self):
+        self.speculator.check_integrity(radix.CacheIntegrityError)
+
+    def alloc_memory_pool(self, **kwargs):
+        super().alloc_memory_pool(**kwargs)
+        # NGRAM sizes its verify buffers for one fixed width; keep one set per width
+        # so that a round verifies only as many tokens as its longest draft needs.
+        self.max_width = self.draft_token_num
+        before = dict(vars(self))
+        self._init_preallocated_tensors()
+        names = [k for k, v in vars(self).items() if before.get(k) is not v]
+        self._width_buffers = {self.max_width: {k: getattr(self, k) for k in names}}
+
+    def _set_width(self, width):
+        """Verify ``width`` tokens per request this round (root + drafts)."""
+        buffers = self._width_buffers.get(width)
+        if buffers is None:
+            names = list(self._width_buffers[self.max_width])
+            self.draft_token_num = width
             self._init_preallocated_tensors()
-            names = [k for k, v in vars(self).items() if before.get(k) is not v]
-            self._width_buffers = {self.max_width: {k: getattr(self, k) for k in names}}
+            buffers = self._width_buffers[width] = {k: getattr(self, k) for k in names}
+        for name, value in buffers.items():
+            setattr(self, name, value)
+        self.draft_token_num = self.speculative_num_draft_tokens = width
 
-        def _set_width(self, width):
-            """Verify ``width`` tokens per request this round (root + drafts)."""
-            buffers = self._width_buffers.get(width)
-            if buffers is None:
-                names = list(self._width_buffers[self.max_width])
-                self.draft_token_num = width
-                self._init_preallocated_tensors()
-                buffers = self._width_buffers[width] = {k: getattr(self, k) for k in names}
-            for name, value in buffers.items():
-                setattr(self, name, value)
-            self.draft_token_num = self.speculative_num_draft_tokens = width
+    def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+        self.speculator.attach_tier()
+        self.plain = False
+        width = self.max_width
+        if batch.forward_mode.is_decode():
+            self._release_departed(batch)
+            width = self.speculator.begin_iteration(batch.reqs, batch.seq_lens_cpu.tolist(), self.max_width,
+                                                    must_round=bool(batch.return_logprob or batch.has_grammar))
+            self.plain, width = width == 0, width or self.max_width
+        self._set_width(width)
+        try:
+            result = self._forward(batch, on_publish, pp_proxy_tensors)
+        finally:
+            self._set_width(self.max_width)
+        if width != self.max_width and result.next_draft_input is not None:
+            forward.widen_draft_input(result.next_draft_input, len(batch.reqs), width, self.max_width)
+        return result
 
-        def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
-            self.speculator.attach_tier()
-            self.plain = False
-            width = self.max_width
-            if batch.forward_mode.is_decode():
-                self._release_departed(batch)
-                width = self.speculator.begin_iteration(batch.reqs, batch.seq_lens_cpu.tolist(), self.max_width,
-                                                        must_round=bool(batch.return_logprob or batch.has_grammar))
-                self.plain, width = width == 0, width or self.max_width
-            self._set_width(width)
-            try:
-                result = self._forward(batch, on_publish, pp_proxy_tensors)
-            finally:
-                self._set_width(self.max_width)
-            if width != self.max_width and result.next_draft_input is not None:
-                forward.widen_draft_input(result.next_draft_input, len(batch.reqs), width, self.max_width)
+    def _forward(self, batch, on_publish, pp_proxy_tensors):
+        # SGLang's CPU attention (torch_native) has no TARGET_VERIFY path: run the
+        # whole iteration with a backend that adds one and delegates the rest.
+        if self.verify_backend is None:
+            self.verify_backend = attention.make_verify_backend(self.model_runner, self.runtime, self.vc.deterministic)
+        spec = self.speculator
+        capture = batch.forward_mode.is_extend() and spec.needs_queries(batch.reqs)
+        self.verify_backend.capture = spec.queries if capture else None
+        self.verify_backend.capture_rids = [req.rid for req in batch.reqs] if capture else None
+        is_round = batch.forward_mode.is_decode() and not self.plain
+        self.runtime.active_worker = self
+        t0 = time.perf_counter()
+        try:
+            with forward_context(ForwardContext(attn_backend=self.verify_backend)):
+                result = super().forward_batch_generation(batch, on_publish, pp_proxy_tensors)
+        finally:
+            self.runtime.active_worker = None
+            deferred = spec.close_round()
+            self.verify_backend.skip_rows = ()
+        if self.plain:
+            # NGRAM's non-verify branch returns one token per row; the scheduler reads a
+            # decode result at the round's row stride, as a round lays its tokens out
+            result.next_token_ids = result.next_draft_input.accept_tokens
+            spec.end_plain(time.perf_counter() - t0, self.runtime.load_seconds)
             return result
+        lens = result.accept_lens.tolist() if is_round and result.accept_lens is not None else None
+        spec.count_round(batch.reqs, lens, deferred, time.perf_counter() - t0, self.runtime.load_seconds)
+        return result
 
-        def _forward(self, batch, on_publish, pp_proxy_tensors):
-            # SGLang's CPU attention (torch_native) has no TARGET_VERIFY path: run the
-            # whole iteration with a backend that adds one and delegates the rest.
-            if self.verify_backend is None:
-                self.verify_backend = attention.make_verify_backend(self.model_runner, runtime, self.vc.deterministic)
-            spec = self.speculator
-            capture = batch.forward_mode.is_extend() and spec.needs_queries(batch.reqs)
-            self.verify_backend.capture = spec.queries if capture else None
-            self.verify_backend.capture_rids = [req.rid for req in batch.reqs] if capture else None
-            is_round = batch.forward_mode.is_decode() and not self.plain
-            runtime.active_worker = self
-            t0 = time.perf_counter()
-            try:
-                with forward_context(ForwardContext(attn_backend=self.verify_backend)):
-                    result = super().forward_batch_generation(batch, on_publish, pp_proxy_tensors)
-            finally:
-                runtime.active_worker = None
-                deferred = spec.close_round()
-                self.verify_backend.skip_rows = ()
-            if self.plain:
-                # NGRAM's non-verify branch returns one token per row; the scheduler reads a
-                # decode result at the round's row stride, as a round lays its tokens out
-                result.next_token_ids = result.next_draft_input.accept_tokens
-                spec.end_plain(time.perf_counter() - t0, runtime.load_seconds)
-                return result
-            lens = result.accept_lens.tolist() if is_round and result.accept_lens is not None else None
-            spec.count_round(batch.reqs, lens, deferred, time.perf_counter() - t0, runtime.load_seconds)
-            return result
+    def _prepare_for_speculative_decoding(self, batch):
+        if not (self.plain and batch.forward_mode.is_decode()):
+            return super()._prepare_for_speculative_decoding(batch)
+        # A plain iteration: SGLang's one-token decode step. The spec scheduler already
+        # reserved the KV slots after each request's committed tokens; take the first,
+        # feed the last committed token, and leave the mode DECODE, so NGRAM's worker
+        # runs the target's ordinary forward and sampler (its non-verify branch).
+        bs = len(batch.reqs)
+        batch.input_ids = torch.tensor([last_token(req) for req in batch.reqs], dtype=torch.int64,
+                                       device=self.device)
+        batch.out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices, req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=batch.seq_lens, end_offset=batch.seq_lens + 1, batch_size=bs, draft_token_num=1,
+            device=self.device)
+        batch.seq_lens = batch.seq_lens + 1
+        batch.seq_lens_cpu = batch.seq_lens_cpu + 1
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        if getattr(batch, "orig_seq_lens", None) is not None:
+            batch.orig_seq_lens = batch.orig_seq_lens + 1
+        batch.spec_info = None  # the last round's relay carries no positions for a decode step
 
-        def _prepare_for_speculative_decoding(self, batch):
-            if not (self.plain and batch.forward_mode.is_decode()):
-                return super()._prepare_for_speculative_decoding(batch)
-            # A plain iteration: SGLang's one-token decode step. The spec scheduler already
-            # reserved the KV slots after each request's committed tokens; take the first,
-            # feed the last committed token, and leave the mode DECODE, so NGRAM's worker
-            # runs the target's ordinary forward and sampler (its non-verify branch).
-            bs = len(batch.reqs)
-            batch.input_ids = torch.tensor([last_token(req) for req in batch.reqs], dtype=torch.int64,
-                                           device=self.device)
-            batch.out_cache_loc = assign_extend_cache_locs_func(
-                req_pool_indices=batch.req_pool_indices, req_to_token=batch.req_to_token_pool.req_to_token,
-                start_offset=batch.seq_lens, end_offset=batch.seq_lens + 1, batch_size=bs, draft_token_num=1,
-                device=self.device)
-            batch.seq_lens = batch.seq_lens + 1
-            batch.seq_lens_cpu = batch.seq_lens_cpu + 1
-            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-            if getattr(batch, "orig_seq_lens", None) is not None:
-                batch.orig_seq_lens = batch.orig_seq_lens + 1
-            batch.spec_info = None  # the last round's relay carries no positions for a decode step
+    def _release_departed(self, batch):
+        """Requests that left the decode batch since the last decode iteration file their
+        compressed entry (NGRAM reports departures only after verify rounds)."""
+        current = {req.rid for req in batch.reqs}
+        departed = self._last_decode_rids - current
+        self._last_decode_rids = current
+        if departed:
+            self.speculator.release_departed(departed)
 
-        def _release_departed(self, batch):
-            """Requests that left the decode batch since the last decode iteration file their
-            compressed entry (NGRAM reports departures only after verify rounds)."""
-            current = {req.rid for req in batch.reqs}
-            departed = self._last_decode_rids - current
-            self._last_decode_rids = current
-            if departed:
-                self.speculator.release_departed(departed)
+    def clear_cache_pool(self):
+        self.speculator.clear()
+        self._prev_decode_rids = set()
+        self._last_decode_rids = set()
 
-        def clear_cache_pool(self):
-            self.speculator.clear()
-            self._prev_decode_rids = set()
-            self._last_decode_rids = set()
+    def _update_ngram_corpus(self, batch):
+        pass
 
-        def _update_ngram_corpus(self, batch):
-            pass
+    def _prepare_draft_tokens(self, batch):
+        round_batch = RoundBatch(
+            reqs=batch.reqs, verified=batch.seq_lens_cpu.tolist(), pool_rows=batch.req_pool_indices.tolist(),
+            own_kv_start=[req.kv.cache_protected_len for req in batch.reqs],
+            greedy=batch.sampling_info.is_all_greedy, verify_all=bool(batch.return_logprob or batch.has_grammar),
+            source=batch)
+        drafts = self.speculator.draft_round(round_batch, self.draft_token_num)
+        self.verify_backend.skip_rows = frozenset(self.speculator.deferred)
+        return drafts.tokens, drafts.mask
 
-        def _prepare_draft_tokens(self, batch):
-            round_batch = RoundBatch(
-                reqs=batch.reqs, verified=batch.seq_lens_cpu.tolist(), pool_rows=batch.req_pool_indices.tolist(),
-                own_kv_start=[req.kv.cache_protected_len for req in batch.reqs],
-                greedy=batch.sampling_info.is_all_greedy, verify_all=bool(batch.return_logprob or batch.has_grammar),
-                source=batch)
-            drafts = self.speculator.draft_round(round_batch, self.draft_token_num)
-            self.verify_backend.skip_rows = frozenset(self.speculator.deferred)
-            return drafts.tokens, drafts.mask
-
-    return VeriCacheWorker

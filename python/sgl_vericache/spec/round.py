@@ -2,8 +2,10 @@
 
 Each decode iteration of a batch is one round per request:
 
-1. **plan**: each request's compressor and draft length (the server's, or its own
-   ``custom_params``); a bad override aborts that request alone;
+1. **plan** (``spec/plan.py``): each request's compressor and draft length (the server's,
+   its own ``custom_params``, or, with ``--vericache-adaptive``, the controller's; the
+   controller may also make the iteration plain decoding, and then none of what follows
+   runs); a bad override aborts that request alone;
 2. **sync**: each request's compressed entry is brought up to its verified length (a new
    request starts from a cached compressed prefix when one matches and compresses the rest);
 3. **stagger** (``--vericache-full-device-budget``): which rows verify this round; the
@@ -29,7 +31,6 @@ parking of full KV. Requests are SGLang's ``Req`` objects; this module reads ``r
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
@@ -37,13 +38,12 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from sgl_vericache.config import AUTO, AUTO_CANDIDATES, VeriCacheConfig, request_config
+from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.cpu.linear import weights_generation
-from sgl_vericache.mem_cache.compress import KVCompressor
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
-from sgl_vericache.spec.adaptive import Controller, Row
 from sgl_vericache.spec.drafter import CompressedKVStore
 from sgl_vericache.spec.fetch_drafting import FetchDrafter
+from sgl_vericache.spec.plan import Plan, Planner
 from sgl_vericache.spec.stats import Stats
 
 logger = logging.getLogger(__name__)
@@ -51,26 +51,6 @@ logger = logging.getLogger(__name__)
 # Prompt queries kept per request and layer for query-aware compressors (SnapKV votes
 # with the last window_size of them; H2O accumulates attention over all it is given).
 MAX_CAPTURED_QUERIES = 512
-# Tests: draft lengths the adaptive controller cycles through instead of deciding (0 = plain),
-# and every how many rounds an auto request moves to the next candidate compressor regardless
-SCHEDULE_ENV = "VERICACHE_ADAPTIVE_SCHEDULE"
-SWITCH_ENV = "VERICACHE_ADAPTIVE_SWITCH_EVERY"
-
-
-class Plan(NamedTuple):
-    compressor: KVCompressor
-    draft_len: int  # the most it drafts (the server's --vericache-draft-len, or its own)
-    error: Optional[str] = None  # a bad override: the request was aborted
-    fixed: bool = False  # its custom_params set its draft length: the controller does not change it
-    auto: bool = False  # its compressor is the controller's choice (--vericache-compressor auto)
-    switches: int = 0  # times the controller moved it to another compressor
-
-
-def draft_kv_fraction(compressor: KVCompressor) -> float:
-    """The share of a request's full KV a draft step reads from its compressed entry: a
-    dropper's kept tokens; a quantizer's dense copy (on this path) and Quest's scored pages
-    read as much as the full KV."""
-    return 1.0 / compressor.ratio if compressor.ratio and compressor.name != "quest" else 1.0
 
 
 @dataclass
@@ -153,9 +133,7 @@ class Speculator:
         self.prefix_cache = CompressedPrefixCache(vc.compressed_cache_mb << 20) if vc.compressed_cache_mb > 0 else None
         self.reqs = {}  # rid -> Req, to file its compressed entry by token ids when it departs
         self.weights_gen = weights_generation()
-        self.plans = {}  # rid -> Plan
         self.queries = {}  # rid -> per-layer last prompt queries, until compressed
-        self.compressors = {}  # (method, ratio, options) -> compressor (shared, stateless)
         self.waited = {}  # rid -> rounds in a row it drafted without verifying (staggered verifies)
         self.deferred = ()  # batch rows that draft but do not verify this round
         self.queued_rows = ()  # batch rows whose drafts this round were made while they waited
@@ -167,56 +145,13 @@ class Speculator:
         self.tier = None  # CompressedTier: evicted compressed entries in the storage tier
         # attached at the first forward or fetch-draft poll (SGLang's tree exists by then)
         self._tier_pending = self.fetch_drafter is not None
-        # --vericache-adaptive: this iteration's decision, and what the round drafted
-        self.controller = None
-        if vc.adaptive:
-            schedule = [int(d) for d in os.environ.get(SCHEDULE_ENV, "").split(",") if d.strip()]
-            self.controller = Controller(vc.draft_len, allow_plain=vc.full_device_budget < 0, schedule=schedule)
-        self.switch_every = int(os.environ.get(SWITCH_ENV, "0") or 0)
-        self.round_count = 0
-        self.decision = None
-        self.rows = None  # the controller's view of this iteration's batch
-        self.lens, self.draft_seconds = (), 0.0
+        self.planner = Planner(vc, stats, seam.abort, self.store.compressor)  # and, adaptive, the controller
+        self.lens, self.draft_seconds = (), 0.0  # what this round drafted, per row, and how long it took
 
     # -- per request ---------------------------------------------------------------------
 
     def plan(self, req) -> Plan:
-        """The request's compressor and draft length; a bad override aborts it with a 400."""
-        plan = self.plans.get(req.rid)
-        if plan is None:
-            try:
-                custom = req.sampling_params.custom_params
-                cfg = request_config(custom, self.vc)
-                name = cfg.compressor
-                if name == AUTO:
-                    name = self._choose_compressor(cfg, len(req.origin_input_ids))
-                fixed = isinstance(custom, dict) and "vericache_draft_len" in custom
-                plan = Plan(self._compressor(cfg, name), cfg.draft_len, fixed=fixed, auto=cfg.compressor == AUTO)
-                self.stats.planned(plan.compressor.name)
-            except ValueError as exc:  # a bad override: this request alone ends, with a 400
-                self.seam.abort(req, str(exc))
-                plan = Plan(self.store.compressor, 1, str(exc))
-            except Exception as exc:  # our bug, contained to this request (a 500), never the server
-                logger.exception("VeriCache: planning request %s failed", req.rid)
-                message = f"VeriCache could not plan this request: {type(exc).__name__}: {exc}"
-                self.seam.abort(req, message, status=500)
-                plan = Plan(self.store.compressor, 1, message)
-            self.plans[req.rid] = plan
-        return plan
-
-    def _compressor(self, cfg: VeriCacheConfig, name: str) -> KVCompressor:
-        key = (name, cfg.ratio, cfg.compressor_options if name == cfg.compressor else "")
-        if key not in self.compressors:
-            self.compressors[key] = cfg.build_compressor(name)
-        return self.compressors[key]
-
-    def _candidates(self, cfg: VeriCacheConfig) -> list:
-        return [(name, draft_kv_fraction(self._compressor(cfg, name))) for name in AUTO_CANDIDATES]
-
-    def _choose_compressor(self, cfg: VeriCacheConfig, context: int, rid=None, current=None) -> str:
-        if self.controller is None:
-            return AUTO_CANDIDATES[0]
-        return self.controller.choose_compressor(self._candidates(cfg), context, rid, current, margin=0.15)
+        return self.planner.plan(req)
 
     def needs_queries(self, reqs) -> bool:
         """Whether a prefill of ``reqs`` should keep its last prompt queries (SnapKV, H2O)."""
@@ -226,11 +161,9 @@ class Speculator:
         for rid in rids:
             self._file_prefix(rid)
             self.store.release(rid)
-            self.plans.pop(rid, None)
+            self.planner.forget(rid)
             self.queries.pop(rid, None)
             self.waited.pop(rid, None)
-            if self.controller is not None:
-                self.controller.forget(rid)
             if self.fetch_drafter is not None:
                 self.fetch_drafter.queue.drop(rid)
 
@@ -269,41 +202,24 @@ class Speculator:
         one width, so the row nearest the context's end bounds them all; 0 at its last
         position)."""
         room = min(self.seam.context_len - 1 - n for n in verified)
-        return [max(0, min(self._draft_len(self.plan(req)), room)) for req in reqs]
-
-    def _draft_len(self, plan: Plan) -> int:
-        if self.decision is None or plan.fixed:
-            return plan.draft_len
-        return min(plan.draft_len, self.decision.draft_len)
+        return [max(0, min(self.planner.draft_len(self.plan(req)), room)) for req in reqs]
 
     def begin_iteration(self, reqs, verified: Sequence[int], max_width: int, must_round: bool = False) -> int:
         """Decide a decode iteration: 0 = plain decoding (no drafts, SGLang's one-token step),
         else the width each request verifies (root + the batch's longest draft). ``must_round``:
         the batch returns logprobs or follows a grammar (SGLang's bookkeeping for those expects
         a round)."""
-        self.decision = self.rows = None
-        if self.controller is not None:
-            queued = self.fetch_drafter.queue if self.fetch_drafter is not None else ()
-            self.rows = [Row(req.rid, n, int(n * draft_kv_fraction(plan.compressor)), plan.compressor.name,
-                             plan.draft_len if plan.fixed else None, req.rid in queued)
-                         for req, n, plan in ((r, n, self.plan(r)) for r, n in zip(reqs, verified))]
-            self.decision = self.controller.decide(self.rows, force=must_round)
-            if self.decision.draft_len == 0:
-                self.stats.add("plain_iterations", 1)
-                return 0
+        queued = self.fetch_drafter.queue if self.fetch_drafter is not None else ()
+        if not self.planner.decide(reqs, verified, queued, must_round):
+            self.stats.add("plain_iterations", 1)
+            return 0
         self.stats.add("spec_iterations", 1)
         return min(max_width, 1 + max(self.draft_lens(reqs, verified)))
 
     def end_plain(self, seconds: float, load_seconds: float) -> None:
         """A plain decoding iteration took ``seconds``."""
-        self.controller.observe_plain(self.rows, seconds)
-        self._count_prediction(seconds)
+        self.planner.plain_done(seconds)
         self.stats.end_iteration(load_seconds)
-
-    def _count_prediction(self, seconds: float) -> None:
-        if self.decision is not None:
-            self.stats.add("predicted_step_seconds", self.decision.predicted_seconds)
-            self.stats.add("measured_step_seconds", seconds)
 
     def draft_round(self, batch: RoundBatch, width: int) -> RoundDrafts:
         """Steps 1-4 for one decode iteration: every row's root and drafts, padded to ``width``."""
@@ -344,7 +260,7 @@ class Speculator:
         included; None for a forward that was no round), ``seconds`` the iteration took,
         ``load_seconds`` the process's running total of HiCache load time."""
         if accept_lens is not None:
-            self._learn(reqs, accept_lens, seconds)
+            self.planner.round_done(reqs, self.lens, accept_lens, self.draft_seconds, seconds)
             self.stats.verified(seconds, [n for i, n in enumerate(accept_lens) if i not in deferred])
             self.stats.add("deferred_rows", len(deferred))
             for i, req in enumerate(reqs):
@@ -354,33 +270,6 @@ class Speculator:
         self.stats.end_iteration(load_seconds)
         if self.tier is not None:
             self.stats.tier(self.tier)
-
-    def _learn(self, reqs, accept_lens: list, seconds: float) -> None:
-        """The controller learns the round's costs and acceptance; requests whose compressor
-        it chose move to another when their measured acceptance says it would do better."""
-        if self.controller is None or self.rows is None or len(self.lens) != len(reqs):
-            return
-        accepted = [max(0, n - 1) for n in accept_lens]
-        self.controller.observe_round(self.rows, max(self.lens, default=0), self.draft_seconds,
-                                      max(seconds - self.draft_seconds, 0.0), self.lens, accepted)
-        self._count_prediction(seconds)
-        self.round_count += 1
-        forced = self.switch_every and self.round_count % self.switch_every == 0
-        for req, row in zip(reqs, self.rows):
-            plan = self.plans.get(req.rid)
-            if plan is None or not plan.auto or plan.switches >= 2 or not (
-                    forced or self.controller.has_evidence(req.rid)):
-                continue
-            cfg = request_config(req.sampling_params.custom_params, self.vc)
-            if forced:
-                name = AUTO_CANDIDATES[(AUTO_CANDIDATES.index(plan.compressor.name) + 1) % len(AUTO_CANDIDATES)]
-            else:
-                name = self._choose_compressor(cfg, row.full_kv, req.rid, plan.compressor.name)
-            if name != plan.compressor.name:
-                self.plans[req.rid] = plan._replace(compressor=self._compressor(cfg, name), switches=plan.switches + 1)
-                self.controller.forget(req.rid)  # its acceptance was the old compressor's
-                self.stats.add("compressor_switches", 1)
-                self.stats.planned(name)
 
     def _sync_store(self, batch: RoundBatch, plans: list[Plan]) -> None:
         for i, req in enumerate(batch.reqs):

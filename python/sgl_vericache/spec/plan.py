@@ -1,0 +1,166 @@
+"""What each request drafts from and how far, and when the batch speculates at all (no SGLang
+imports).
+
+A request's ``Plan`` comes from the server's config and its own ``custom_params`` (a bad
+value aborts that request alone). With ``--vericache-adaptive`` the ``Planner`` also asks
+the controller (``spec/adaptive.py``) each decode iteration whether to speculate and how
+long to draft, feeds it each iteration's outcome, and under ``--vericache-compressor auto``
+picks each request's compressor and moves it when its measured acceptance says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import NamedTuple, Optional, Sequence
+
+from sgl_vericache.config import AUTO, AUTO_CANDIDATES, VeriCacheConfig, request_config
+from sgl_vericache.mem_cache.compress import KVCompressor
+from sgl_vericache.spec.adaptive import Controller, Decision, Row
+
+logger = logging.getLogger(__name__)
+
+# Tests: draft lengths the adaptive controller cycles through instead of deciding (0 = plain),
+# and every how many rounds an auto request moves to the next candidate compressor regardless
+SCHEDULE_ENV = "VERICACHE_ADAPTIVE_SCHEDULE"
+SWITCH_ENV = "VERICACHE_ADAPTIVE_SWITCH_EVERY"
+MAX_SWITCHES = 2  # compressor moves per request
+
+
+class Plan(NamedTuple):
+    compressor: KVCompressor
+    draft_len: int  # the most it drafts (the server's --vericache-draft-len, or its own)
+    error: Optional[str] = None  # a bad override: the request was aborted
+    fixed: bool = False  # its custom_params set its draft length: the controller does not change it
+    auto: bool = False  # its compressor is the controller's choice (--vericache-compressor auto)
+    switches: int = 0  # times the controller moved it to another compressor
+
+
+def draft_kv_fraction(compressor: KVCompressor) -> float:
+    """The share of a request's full KV a draft step reads from its compressed entry: a
+    dropper's kept tokens; a quantizer's dense copy (on this path) and Quest's scored pages
+    read as much as the full KV."""
+    return 1.0 / compressor.ratio if compressor.ratio and compressor.name != "quest" else 1.0
+
+
+class Planner:
+    def __init__(self, vc: VeriCacheConfig, stats, abort, default_compressor: KVCompressor):
+        """``abort(req, message, status=400)`` ends one request (the seam's)."""
+        self.vc, self.stats, self.abort = vc, stats, abort
+        self.default_compressor = default_compressor
+        self.plans = {}  # rid -> Plan
+        self.compressors = {}  # (method, ratio, options) -> compressor (shared, stateless)
+        self.controller = None
+        if vc.adaptive:
+            schedule = [int(d) for d in os.environ.get(SCHEDULE_ENV, "").split(",") if d.strip()]
+            self.controller = Controller(vc.draft_len, allow_plain=vc.full_device_budget < 0, schedule=schedule)
+        self.switch_every = int(os.environ.get(SWITCH_ENV, "0") or 0)
+        self.rounds = 0
+        self.decision: Optional[Decision] = None  # this decode iteration's, with the controller on
+        self.rows: Optional[list[Row]] = None  # the controller's view of this iteration's batch
+
+    # -- per request -----------------------------------------------------------------
+
+    def plan(self, req) -> Plan:
+        """The request's compressor and draft length; a bad override aborts it with a 400."""
+        plan = self.plans.get(req.rid)
+        if plan is None:
+            try:
+                plan = self._new_plan(req)
+                self.stats.planned(plan.compressor.name)
+            except ValueError as exc:  # a bad override: this request alone ends, with a 400
+                self.abort(req, str(exc))
+                plan = Plan(self.default_compressor, 1, str(exc))
+            except Exception as exc:  # our bug, contained to this request (a 500), never the server
+                logger.exception("VeriCache: planning request %s failed", req.rid)
+                message = f"VeriCache could not plan this request: {type(exc).__name__}: {exc}"
+                self.abort(req, message, status=500)
+                plan = Plan(self.default_compressor, 1, message)
+            self.plans[req.rid] = plan
+        return plan
+
+    def _new_plan(self, req) -> Plan:
+        custom = req.sampling_params.custom_params
+        cfg = request_config(custom, self.vc)
+        name = cfg.compressor
+        if name == AUTO:
+            name = self._choose(cfg, len(req.origin_input_ids))
+        fixed = isinstance(custom, dict) and "vericache_draft_len" in custom
+        return Plan(self._compressor(cfg, name), cfg.draft_len, fixed=fixed, auto=cfg.compressor == AUTO)
+
+    def _compressor(self, cfg: VeriCacheConfig, name: str) -> KVCompressor:
+        key = (name, cfg.ratio, cfg.compressor_options if name == cfg.compressor else "")
+        if key not in self.compressors:
+            self.compressors[key] = cfg.build_compressor(name)
+        return self.compressors[key]
+
+    def _choose(self, cfg: VeriCacheConfig, context: int, rid=None, current=None) -> str:
+        if self.controller is None:
+            return AUTO_CANDIDATES[0]
+        candidates = [(name, draft_kv_fraction(self._compressor(cfg, name))) for name in AUTO_CANDIDATES]
+        return self.controller.choose_compressor(candidates, context, rid, current, margin=0.15)
+
+    def forget(self, rid) -> None:
+        self.plans.pop(rid, None)
+        if self.controller is not None:
+            self.controller.forget(rid)
+
+    def draft_len(self, plan: Plan) -> int:
+        """What a request drafts this round: its own length, or the controller's choice."""
+        if self.decision is None or plan.fixed:
+            return plan.draft_len
+        return min(plan.draft_len, self.decision.draft_len)
+
+    # -- per iteration ---------------------------------------------------------------
+
+    def decide(self, reqs, verified: Sequence[int], queued, must_round: bool) -> bool:
+        """Whether this decode iteration is a round (else plain decoding). ``queued``: rids
+        with drafts made ahead."""
+        self.decision = self.rows = None
+        if self.controller is None:
+            return True
+        self.rows = [Row(req.rid, n, int(n * draft_kv_fraction(plan.compressor)), plan.compressor.name,
+                         plan.draft_len if plan.fixed else None, req.rid in queued)
+                     for req, n, plan in ((r, n, self.plan(r)) for r, n in zip(reqs, verified))]
+        self.decision = self.controller.decide(self.rows, force=must_round)
+        return self.decision.draft_len > 0
+
+    def plain_done(self, seconds: float) -> None:
+        self.controller.observe_plain(self.rows, seconds)
+        self._count_prediction(seconds)
+
+    def round_done(self, reqs, lens: Sequence[int], accept_lens: Sequence[int], draft_seconds: float,
+                   seconds: float) -> None:
+        """The controller learns the round's costs and acceptance (row i drafted ``lens[i]``,
+        emitted ``accept_lens[i]``); auto requests may move to the other compressor."""
+        if self.controller is None or self.rows is None or len(lens) != len(reqs):
+            return
+        accepted = [max(0, n - 1) for n in accept_lens]
+        self.controller.observe_round(self.rows, max(lens, default=0), draft_seconds,
+                                      max(seconds - draft_seconds, 0.0), lens, accepted)
+        self._count_prediction(seconds)
+        self.rounds += 1
+        forced = bool(self.switch_every) and self.rounds % self.switch_every == 0
+        for req, row in zip(reqs, self.rows):
+            self._rechoose(req, row, forced)
+
+    def _rechoose(self, req, row: Row, forced: bool) -> None:
+        plan = self.plans.get(req.rid)
+        if plan is None or not plan.auto or plan.switches >= MAX_SWITCHES or not (
+                forced or self.controller.has_evidence(req.rid)):
+            return
+        cfg = request_config(req.sampling_params.custom_params, self.vc)
+        if forced:
+            name = AUTO_CANDIDATES[(AUTO_CANDIDATES.index(plan.compressor.name) + 1) % len(AUTO_CANDIDATES)]
+        else:
+            name = self._choose(cfg, row.full_kv, req.rid, plan.compressor.name)
+        if name != plan.compressor.name:  # its next sync rebuilds its compressed entry
+            self.plans[req.rid] = plan._replace(compressor=self._compressor(cfg, name), switches=plan.switches + 1)
+            self.controller.forget(req.rid)  # its acceptance was the old compressor's
+            self.stats.add("compressor_switches", 1)
+            self.stats.planned(name)
+
+    def _count_prediction(self, seconds: float) -> None:
+        if self.decision is not None:
+            self.stats.add("predicted_step_seconds", self.decision.predicted_seconds)
+            self.stats.add("measured_step_seconds", seconds)
