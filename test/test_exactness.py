@@ -268,10 +268,28 @@ def test_every_compressor_and_draft_len_batch4(reference, vc_engine, default_mod
                ("kivi2", 16), ("kivi4", 16), ("int8", 30), ("fp8", 30)]
     assert sorted(c for c, _ in configs) == sorted(COMPRESSORS)
     ref = reference
+    before = _vericache_state(vc_engine)["compressor_requests"]
     outs = run_configs(vc_engine, ids, configs, 128, batch=4)
     accept = check_identical(prompts, configs, outs, ref, batch=4, top2=ref.top2)
     print("mean acceptance length per request:", accept)
     check_spec_counts(outs)
+    # each request drafted from the compressor it asked for (a request is planned again when
+    # it resumes after a preemption, so at least once each)...
+    after = _vericache_state(vc_engine)["compressor_requests"]
+    planned = {c: after.get(c, 0) - before.get(c, 0) for c in COMPRESSORS}
+    assert all(n >= 1 for n in planned.values()), f"an override was not applied: {planned}"
+    # ...and its drafts were worth verifying: tokens per round above a floor per compressor and
+    # draft length (about half of what the exactness matrix measured for the same prompt at
+    # 256 tokens; drafts that never agree give ~1.0)
+    low = [f"{c} d={d}: {a}" for (c, d), a in zip(configs, accept) if a is None or a < ACCEPT_FLOORS[c]]
+    assert not low, f"acceptance below the floor: {low} (floors {ACCEPT_FLOORS})"
+
+
+# Tokens per verify round each batch-4 configuration must reach (its compressor at its
+# draft length there): h2o d1, quest d1, streamingllm d4, snapkv d4, kivi2 d16, kivi4 d16,
+# int8 d30, fp8 d30.
+ACCEPT_FLOORS = {"h2o": 1.35, "quest": 1.2, "streamingllm": 2.0, "snapkv": 1.4, "kivi2": 6.0, "kivi4": 7.0,
+                 "int8": 9.0, "fp8": 9.0}
 
 
 def check_spec_counts(outs):

@@ -26,7 +26,7 @@ def parts():
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-    from sgl_vericache.sglang.radix import CacheIntegrityError, vericache_radix_cache_class
+    from sgl_vericache.sglang.radix import CacheIntegrityError, VeriCacheRadixCache
 
     def make():
         kv = MHATokenToKVPool(POOL, 1, torch.float32, 1, 4, 1, "cpu", False, start_layer=0, end_layer=1)
@@ -34,7 +34,7 @@ def parts():
         params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 256, "cpu", False),
                                  token_to_kv_pool_allocator=alloc, page_size=1,
                                  tree_components=(ComponentType.FULL,))
-        return vericache_radix_cache_class()(params), alloc
+        return VeriCacheRadixCache(params), alloc
 
     key = lambda tokens: RadixKey(array("q", tokens))  # noqa: E731
     return make, key, InsertParams, MatchPrefixParams, EvictParams, CacheIntegrityError

@@ -106,12 +106,12 @@ class _Unreachable:
 
 def test_unreachable_store_is_a_miss_not_an_error(cpu_hicache, tmp_path):
     from sgl_vericache.mem_cache.tier_integrity import FileDigests, PageVerifier, TierStats
-    from sgl_vericache.sglang.storage import checked_storage_class as _checked_storage_class
+    from sgl_vericache.sglang.storage import ChecksummedStorage
 
     host, slots, pages = _host_pages()
     keys = [f"page-{i}" for i in range(len(pages))]
     verifier = PageVerifier(FileDigests(str(tmp_path), str), TierStats(), "remote")
-    store = _checked_storage_class()(_Unreachable(), verifier, zero_copy=True)
+    store = ChecksummedStorage(_Unreachable(), verifier, zero_copy=True)
     store.mem_pool_host = host
     assert store.batch_exists(keys) == 0
     assert store.batch_set(keys, pages) is False

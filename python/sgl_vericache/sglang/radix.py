@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 
 import torch
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang.hicache import parking_host_pool
 from sgl_vericache.sglang.runtime import Runtime, patch
 from sgl_vericache.sglang.server import RADIX_BACKEND
@@ -26,106 +28,94 @@ class CacheIntegrityError(AssertionError):
     """A prefix cache, its device KV allocator or its host pool is inconsistent."""
 
 
-_RADIX_CACHE_CLASS = None  # built on first use (it subclasses SGLang's)
+class VeriCacheRadixCache(UnifiedRadixCache):
+    """SGLang's UnifiedRadixCache (HiCache included) plus ``check_integrity()`` and the
+    release hooks full-KV parking needs. Its ``runtime`` (a class attribute, set by
+    ``install_radix_cache_backend``) is the one each tree registers with; None: a runtime of
+    the tree's own (unit tests)."""
 
+    runtime = None
 
-def vericache_radix_cache_class():
-    """SGLang's UnifiedRadixCache (HiCache included) plus ``check_integrity()``. Its
-    ``runtime`` (a class attribute, set by ``install_radix_cache_backend``) is the one each
-    tree registers with; None: a runtime of the tree's own (unit tests)."""
-    global _RADIX_CACHE_CLASS
-    if _RADIX_CACHE_CLASS is not None:
-        return _RADIX_CACHE_CLASS
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.runtime = type(self).runtime or Runtime()
+        self.runtime.radix_caches.add(self)
+        # Under a full-KV device budget a running request's prompt stays its own: see checkpoint().
+        self.prompts_owned = (VeriCacheConfig.from_env() or VeriCacheConfig()).full_device_budget >= 0
 
-    from sgl_vericache.config import VeriCacheConfig
+    def claim_kv_row(self, req):
+        # SGLang's release of a request's row starts here (it finished, was aborted or
+        # preempted); a checkpoint that follows is the release's insert.
+        load_parked(self.runtime, req)
+        req.vericache_releasing = True
+        return super().claim_kv_row(req)
 
-    class VeriCacheRadixCache(UnifiedRadixCache):
-        runtime = None
+    def checkpoint(self, req, *, up_to, **kwargs):
+        """SGLang publishes a running request's prefill into the tree after each extend
+        (so concurrent requests can share it) and locks it there. Under
+        ``--vericache-full-device-budget`` that publish is skipped: the prompt's computed
+        KV stays the request's own, so between its verifies it is parked in host memory
+        with the rest of its KV instead of pinning device memory in the tree. It enters
+        the tree when the request leaves (finished, aborted or preempted), as generated
+        tokens always do; a prefix already in the tree when the request arrived is
+        shared as before. Cost: requests running at the same time do not share each
+        other's prompts."""
+        releasing = req.__dict__.pop("vericache_releasing", False)
+        if self.prompts_owned and not releasing and not req.finished():
+            return  # SGLang's caller moves the request's prefix_len on, published or not
+        load_parked(self.runtime, req)
+        return super().checkpoint(req, up_to=up_to, **kwargs)
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.runtime = type(self).runtime or Runtime()
-            self.runtime.radix_caches.add(self)
-            # Under a full-KV device budget a running request's prompt stays its own: see checkpoint().
-            self.prompts_owned = (VeriCacheConfig.from_env() or VeriCacheConfig()).full_device_budget >= 0
-
-        def claim_kv_row(self, req):
-            # SGLang's release of a request's row starts here (it finished, was aborted or
-            # preempted); a checkpoint that follows is the release's insert.
-            load_parked(self.runtime, req)
-            req.vericache_releasing = True
-            return super().claim_kv_row(req)
-
-        def checkpoint(self, req, *, up_to, **kwargs):
-            """SGLang publishes a running request's prefill into the tree after each extend
-            (so concurrent requests can share it) and locks it there. Under
-            ``--vericache-full-device-budget`` that publish is skipped: the prompt's computed
-            KV stays the request's own, so between its verifies it is parked in host memory
-            with the rest of its KV instead of pinning device memory in the tree. It enters
-            the tree when the request leaves (finished, aborted or preempted), as generated
-            tokens always do; a prefix already in the tree when the request arrived is
-            shared as before. Cost: requests running at the same time do not share each
-            other's prompts."""
-            releasing = req.__dict__.pop("vericache_releasing", False)
-            if self.prompts_owned and not releasing and not req.finished():
-                return  # SGLang's caller moves the request's prefix_len on, published or not
-            load_parked(self.runtime, req)
-            return super().checkpoint(req, up_to=up_to, **kwargs)
-
-        def check_integrity(self) -> dict:
-            """Check the tree and the pools it indexes; valid when no request is running
-            (SGLang's idle point). Raises ``CacheIntegrityError`` listing every violation;
-            returns the sizes it checked. Checks: SGLang's tree invariants (structure, leaf
-            sets, LRU lists, sizes, lock counts, parent/child tier state); no device KV slot
-            held by two tree nodes, by the padding slot, or also on the allocator's free
-            list; the allocator's free list without duplicates; tree + free slots = pool;
-            the host pool's free list without duplicates, never marked in use, and free +
-            in use = pool."""
-            problems = []
-            try:
-                self.sanity_check()
-            except AssertionError as e:
-                problems.append(f"tree: {e}")
-            alloc = self.token_to_kv_pool_allocator
-            page = alloc.page_size
-            tree = self.all_values_flatten().to(torch.int64).cpu()
-            if torch.unique(tree).numel() != tree.numel():
-                problems.append(f"{tree.numel() - torch.unique(tree).numel()} device slots held by two tree nodes")
-            if (tree == 0).any():
-                problems.append("the padding slot 0 is in the tree")
-            free = alloc.get_all_free_pages().to(torch.int64).cpu()
-            if torch.unique(free).numel() != free.numel():
-                problems.append(f"device allocator: {free.numel() - torch.unique(free).numel()} pages freed twice")
-            stale = torch.unique(tree // page)[torch.isin(torch.unique(tree // page), free)]
-            if stale.numel():
-                problems.append(f"{stale.numel()} tree pages are on the free list: {stale[:8].tolist()}")
-            if not self.protected_size() and tree.numel() + alloc.available_size() != alloc.size:
-                problems.append(f"device slots: {tree.numel()} in tree + {alloc.available_size()} free "
-                                f"!= pool {alloc.size}")
-            report = {"device_tree_tokens": int(tree.numel()), "device_free_tokens": int(alloc.available_size()),
-                      "evictable_tokens": int(self.evictable_size()), "protected_tokens": int(self.protected_size())}
-            host = getattr(getattr(self, "cache_controller", None), "mem_pool_host", None)
-            host_pools = [e.host_pool for e in host.entries] if hasattr(host, "entries") else [host]
-            for i, pool in enumerate(p for p in host_pools if p is not None and hasattr(p, "slot_used")):
-                with pool.lock:
-                    host_free = torch.cat([pool.free_slots.cpu(), *[r.cpu() for r in pool.release_slots]])
-                    in_use = int(pool.slot_used.sum())
-                    if torch.unique(host_free).numel() != host_free.numel():
-                        problems.append(f"host pool {i}: slots freed twice")
-                    if pool.slot_used[host_free].any():
-                        problems.append(f"host pool {i}: {int(pool.slot_used[host_free].sum())} free slots marked in use")
-                    if in_use + host_free.numel() != pool.logical_size:
-                        problems.append(f"host pool {i}: {in_use} in use + {host_free.numel()} free "
-                                        f"!= {pool.logical_size}")
-                report[f"host{i}_used_tokens"] = in_use
-                report[f"host{i}_free_tokens"] = int(host_free.numel())
-            if problems:
-                raise CacheIntegrityError("; ".join(problems))
-            return report
-
-    _RADIX_CACHE_CLASS = VeriCacheRadixCache
-    return VeriCacheRadixCache
+    def check_integrity(self) -> dict:
+        """Check the tree and the pools it indexes; valid when no request is running
+        (SGLang's idle point). Raises ``CacheIntegrityError`` listing every violation;
+        returns the sizes it checked. Checks: SGLang's tree invariants (structure, leaf
+        sets, LRU lists, sizes, lock counts, parent/child tier state); no device KV slot
+        held by two tree nodes, by the padding slot, or also on the allocator's free
+        list; the allocator's free list without duplicates; tree + free slots = pool;
+        the host pool's free list without duplicates, never marked in use, and free +
+        in use = pool."""
+        problems = []
+        try:
+            self.sanity_check()
+        except AssertionError as e:
+            problems.append(f"tree: {e}")
+        alloc = self.token_to_kv_pool_allocator
+        page = alloc.page_size
+        tree = self.all_values_flatten().to(torch.int64).cpu()
+        if torch.unique(tree).numel() != tree.numel():
+            problems.append(f"{tree.numel() - torch.unique(tree).numel()} device slots held by two tree nodes")
+        if (tree == 0).any():
+            problems.append("the padding slot 0 is in the tree")
+        free = alloc.get_all_free_pages().to(torch.int64).cpu()
+        if torch.unique(free).numel() != free.numel():
+            problems.append(f"device allocator: {free.numel() - torch.unique(free).numel()} pages freed twice")
+        stale = torch.unique(tree // page)[torch.isin(torch.unique(tree // page), free)]
+        if stale.numel():
+            problems.append(f"{stale.numel()} tree pages are on the free list: {stale[:8].tolist()}")
+        if not self.protected_size() and tree.numel() + alloc.available_size() != alloc.size:
+            problems.append(f"device slots: {tree.numel()} in tree + {alloc.available_size()} free "
+                            f"!= pool {alloc.size}")
+        report = {"device_tree_tokens": int(tree.numel()), "device_free_tokens": int(alloc.available_size()),
+                  "evictable_tokens": int(self.evictable_size()), "protected_tokens": int(self.protected_size())}
+        host = getattr(getattr(self, "cache_controller", None), "mem_pool_host", None)
+        host_pools = [e.host_pool for e in host.entries] if hasattr(host, "entries") else [host]
+        for i, pool in enumerate(p for p in host_pools if p is not None and hasattr(p, "slot_used")):
+            with pool.lock:
+                host_free = torch.cat([pool.free_slots.cpu(), *[r.cpu() for r in pool.release_slots]])
+                in_use = int(pool.slot_used.sum())
+                if torch.unique(host_free).numel() != host_free.numel():
+                    problems.append(f"host pool {i}: slots freed twice")
+                if pool.slot_used[host_free].any():
+                    problems.append(f"host pool {i}: {int(pool.slot_used[host_free].sum())} free slots marked in use")
+                if in_use + host_free.numel() != pool.logical_size:
+                    problems.append(f"host pool {i}: {in_use} in use + {host_free.numel()} free "
+                                    f"!= {pool.logical_size}")
+            report[f"host{i}_used_tokens"] = in_use
+            report[f"host{i}_free_tokens"] = int(host_free.numel())
+        if problems:
+            raise CacheIntegrityError("; ".join(problems))
+        return report
 
 
 def install_radix_cache_backend(runtime: Runtime) -> None:
@@ -136,7 +126,7 @@ def install_radix_cache_backend(runtime: Runtime) -> None:
     from sglang.srt.managers.scheduler_components import invariant_checker
     from sglang.srt.mem_cache import registry
 
-    cls = vericache_radix_cache_class()
+    cls = VeriCacheRadixCache
     cls.runtime = runtime
     if RADIX_BACKEND not in registry.registered_radix_cache_backends():
         registry.register_radix_cache_backend(

@@ -13,10 +13,11 @@ import logging
 
 import torch
 
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, HiCacheStorageFailureInjector
+
 from sgl_vericache.sglang.runtime import Runtime, patch
 
 logger = logging.getLogger(__name__)
-_CHECKED_CLASS = None  # the checksummed storage class, built on first use (it subclasses SGLang's)
 
 
 def install_tier_checksums(runtime: Runtime) -> None:
@@ -56,8 +57,6 @@ def checked_storage(backend_name, backend, storage_config):
     """``backend`` (a HiCacheStorage) behind digest checks kept in the same tier. Supported:
     SGLang's ``file`` backend (digests as files beside the pages) and ``mooncake`` (digests
     as store objects); any other backend is refused with the way out."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageFailureInjector
-
     from sgl_vericache.mem_cache.tier_integrity import FileDigests, KeyValueDigests, PageVerifier, TierStats
 
     core = backend._backend if isinstance(backend, HiCacheStorageFailureInjector) else backend
@@ -73,131 +72,121 @@ def checked_storage(backend_name, backend, storage_config):
             f"(mooncake without head splitting), not {backend_name!r}; pass --no-vericache-tier-checksums "
             f"to use {backend_name!r} without page checksums")
     stats = TierStats(bool(getattr(storage_config, "enable_storage_metrics", False)))
-    return checked_storage_class()(backend, PageVerifier(digests, stats, backend_name), zero_copy)
+    return ChecksummedStorage(backend, PageVerifier(digests, stats, backend_name), zero_copy)
 
 
 
-def checked_storage_class():
-    """``HiCacheStorage`` behind page digests (built once: it subclasses SGLang's class)."""
-    global _CHECKED_CLASS
-    if _CHECKED_CLASS is not None:
-        return _CHECKED_CLASS
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+class ChecksummedStorage(HiCacheStorage):
+    """A HiCache storage backend whose pages are verified on the way back. SGLang's
+    cache controller calls either the generic page API (``batch_set`` / ``batch_get``
+    with page tensors: the file backend) or the zero-copy one (``batch_set_v1`` /
+    ``batch_get_v1`` with host-pool indices: Mooncake); both are checked. A call that
+    raises (store unreachable, I/O error) is counted and answered as a miss."""
 
-    class _ChecksummedStorage(HiCacheStorage):
-        """A HiCache storage backend whose pages are verified on the way back. SGLang's
-        cache controller calls either the generic page API (``batch_set`` / ``batch_get``
-        with page tensors: the file backend) or the zero-copy one (``batch_set_v1`` /
-        ``batch_get_v1`` with host-pool indices: Mooncake); both are checked. A call that
-        raises (store unreachable, I/O error) is counted and answered as a miss."""
+    def __init__(self, inner, verifier, zero_copy):
+        self.inner = inner
+        self.verifier = verifier
+        self.stats = verifier.stats
+        self.zero_copy = zero_copy
 
-        def __init__(self, inner, verifier, zero_copy):
-            self.inner = inner
-            self.verifier = verifier
-            self.stats = verifier.stats
-            self.zero_copy = zero_copy
+    def __getattr__(self, name):  # anything else (metrics, layout queries) as the backend has it
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
-        def __getattr__(self, name):  # anything else (metrics, layout queries) as the backend has it
-            if name == "inner":
-                raise AttributeError(name)
-            return getattr(self.inner, name)
+    def _guard(self, what, miss, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.stats.add("errors")
+            logger.warning("VeriCache: %s %s failed (%s: %s); treated as a miss", self.verifier.tier, what,
+                           type(exc).__name__, exc)
+            return miss
 
-        def _guard(self, what, miss, fn, *args):
-            try:
-                return fn(*args)
-            except Exception as exc:
-                self.stats.add("errors")
-                logger.warning("VeriCache: %s %s failed (%s: %s); treated as a miss", self.verifier.tier, what,
-                               type(exc).__name__, exc)
-                return miss
+    # registration and housekeeping go straight through
+    def register_mem_pool_host(self, mem_pool_host):
+        self.mem_pool_host = mem_pool_host
+        self.inner.register_mem_pool_host(mem_pool_host)
 
-        # registration and housekeeping go straight through
-        def register_mem_pool_host(self, mem_pool_host):
-            self.mem_pool_host = mem_pool_host
-            self.inner.register_mem_pool_host(mem_pool_host)
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+        self.inner.register_mem_host_pool_v2(host_pool, host_pool_name)
 
-        def register_mem_host_pool_v2(self, host_pool, host_pool_name):
-            self.inner.register_mem_host_pool_v2(host_pool, host_pool_name)
+    def on_host_pools_registered(self):
+        self.inner.on_host_pools_registered()
 
-        def on_host_pools_registered(self):
-            self.inner.on_host_pools_registered()
+    def clear(self):
+        return self.inner.clear()
 
-        def clear(self):
-            return self.inner.clear()
+    def get_stats(self):
+        return self.inner.get_stats()
 
-        def get_stats(self):
-            return self.inner.get_stats()
+    def close(self):
+        if hasattr(self.inner, "close"):
+            self.inner.close()
 
-        def close(self):
-            if hasattr(self.inner, "close"):
-                self.inner.close()
+    # existence: only pages that are there and carry a digest
+    def exists(self, key):
+        return self.batch_exists([key]) == 1
 
-        # existence: only pages that are there and carry a digest
-        def exists(self, key):
-            return self.batch_exists([key]) == 1
+    def batch_exists(self, keys, extra_info=None):
+        present = self._guard("exists", 0, self.inner.batch_exists, keys, extra_info)
+        return self._guard("digest lookup", 0, self.verifier.checkable, keys, present)
 
-        def batch_exists(self, keys, extra_info=None):
-            present = self._guard("exists", 0, self.inner.batch_exists, keys, extra_info)
-            return self._guard("digest lookup", 0, self.verifier.checkable, keys, present)
+    # generic page API (page tensors)
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+        existed = self._existing(keys)
+        ok = self._guard("write", False, self.inner.batch_set, keys, values, target_locations, target_sizes)
+        if not ok:
+            return False
+        return all(self._guard("digest write", [False], self.verifier.record, keys, values,
+                               [True] * len(keys), existed))
 
-        # generic page API (page tensors)
-        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
-            existed = self._existing(keys)
-            ok = self._guard("write", False, self.inner.batch_set, keys, values, target_locations, target_sizes)
-            if not ok:
-                return False
-            return all(self._guard("digest write", [False], self.verifier.record, keys, values,
-                                   [True] * len(keys), existed))
+    def set(self, key, value=None, target_location=None, target_sizes=None):
+        return self.batch_set([key], [value], target_location, target_sizes)
 
-        def set(self, key, value=None, target_location=None, target_sizes=None):
-            return self.batch_set([key], [value], target_location, target_sizes)
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        pages = self._guard("read", None, self.inner.batch_get, keys, target_locations, target_sizes)
+        if not isinstance(pages, list):
+            return [None] * len(keys)
+        good = self._guard("verify", [False] * len(keys), self.verifier.verify, keys, pages,
+                           [p is not None for p in pages])
+        return [p if g else None for p, g in zip(pages, good)]
 
-        def batch_get(self, keys, target_locations=None, target_sizes=None):
-            pages = self._guard("read", None, self.inner.batch_get, keys, target_locations, target_sizes)
-            if not isinstance(pages, list):
-                return [None] * len(keys)
-            good = self._guard("verify", [False] * len(keys), self.verifier.verify, keys, pages,
-                               [p is not None for p in pages])
-            return [p if g else None for p, g in zip(pages, good)]
+    def get(self, key, target_location=None, target_sizes=None):
+        return self.batch_get([key], [target_location], target_sizes)[0]
 
-        def get(self, key, target_location=None, target_sizes=None):
-            return self.batch_get([key], [target_location], target_sizes)[0]
+    # zero-copy API (host-pool indices)
+    def _host_pages(self, keys, host_indices):
+        pool = self.mem_pool_host
+        return [pool.get_data_page(int(host_indices[i * pool.page_size]), flat=True) for i in range(len(keys))]
 
-        # zero-copy API (host-pool indices)
-        def _host_pages(self, keys, host_indices):
-            pool = self.mem_pool_host
-            return [pool.get_data_page(int(host_indices[i * pool.page_size]), flat=True) for i in range(len(keys))]
+    def _existing(self, keys):
+        """Per key: already in the tier? (Backends skip writing such a page, so its
+        stored bytes, and its digest, are the earlier writer's.)"""
+        return [self._guard("exists", 0, self.inner.batch_exists, [key]) == 1 for key in keys]
 
-        def _existing(self, keys):
-            """Per key: already in the tier? (Backends skip writing such a page, so its
-            stored bytes, and its digest, are the earlier writer's.)"""
-            return [self._guard("exists", 0, self.inner.batch_exists, [key]) == 1 for key in keys]
+    def batch_set_v1(self, keys, host_indices, extra_info=None):
+        existed = self._existing(keys)
+        stored = self._guard("write", [False] * len(keys), self.inner.batch_set_v1, keys, host_indices,
+                             extra_info)
+        return self._guard("digest write", [False] * len(keys), self.verifier.record, keys,
+                           self._host_pages(keys, host_indices), stored, existed)
 
-        def batch_set_v1(self, keys, host_indices, extra_info=None):
-            existed = self._existing(keys)
-            stored = self._guard("write", [False] * len(keys), self.inner.batch_set_v1, keys, host_indices,
-                                 extra_info)
-            return self._guard("digest write", [False] * len(keys), self.verifier.record, keys,
-                               self._host_pages(keys, host_indices), stored, existed)
+    def batch_get_v1(self, keys, host_indices, extra_info=None):
+        loaded = self._guard("read", [False] * len(keys), self.inner.batch_get_v1, keys, host_indices,
+                             extra_info)
+        return self._guard("verify", [False] * len(keys), self.verifier.verify, keys,
+                           self._host_pages(keys, host_indices), loaded)
 
-        def batch_get_v1(self, keys, host_indices, extra_info=None):
-            loaded = self._guard("read", [False] * len(keys), self.inner.batch_get_v1, keys, host_indices,
-                                 extra_info)
-            return self._guard("verify", [False] * len(keys), self.verifier.verify, keys,
-                               self._host_pages(keys, host_indices), loaded)
+    # v2 (side pools of hybrid models): passed through unverified; dense models use none
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        return self.inner.batch_exists_v2(keys, pool_transfers, extra_info)
 
-        # v2 (side pools of hybrid models): passed through unverified; dense models use none
-        def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
-            return self.inner.batch_exists_v2(keys, pool_transfers, extra_info)
+    def batch_get_v2(self, transfers, extra_info=None):
+        return self.inner.batch_get_v2(transfers, extra_info)
 
-        def batch_get_v2(self, transfers, extra_info=None):
-            return self.inner.batch_get_v2(transfers, extra_info)
-
-        def batch_set_v2(self, transfers, extra_info=None):
-            return self.inner.batch_set_v2(transfers, extra_info)
-
-    _CHECKED_CLASS = _ChecksummedStorage
-    return _ChecksummedStorage
+    def batch_set_v2(self, transfers, extra_info=None):
+        return self.inner.batch_set_v2(transfers, extra_info)
 
 
 class FileBlobs:
@@ -234,13 +223,11 @@ class MooncakeBlobs:
 def blob_store(backend):
     """A ``BlobStore`` over SGLang's storage backend ``backend`` (file or Mooncake, under
     VeriCache's page checksums or SGLang's fault injector), or None for other backends."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageFailureInjector
-
     core = backend
     for _ in range(4):  # under VeriCache's page checksums and SGLang's fault injector
         if isinstance(core, HiCacheStorageFailureInjector):
             core = core._backend
-        elif _CHECKED_CLASS is not None and isinstance(core, _CHECKED_CLASS):
+        elif isinstance(core, ChecksummedStorage):
             core = core.inner
         else:
             break
