@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,47 @@ def test_attributable():
     assert not attributable(_raise_in("_prefetch_kvcache", "/x/sglang/srt/managers/scheduler.py"))
     assert not attributable(_raise_in("match_prefix", "/x/sglang/srt/mem_cache/radix_cache.py"))
     assert not attributable(KeyboardInterrupt())
+
+
+class _FakeScheduler:
+    """What containment.end_request touches on SGLang's Scheduler."""
+
+    def __init__(self, raise_in):
+        self.waiting_queue = [types.SimpleNamespace(rid="other"), types.SimpleNamespace(rid="r1")]
+        self.grammar_manager = types.SimpleNamespace(grammar_queue=[types.SimpleNamespace(rid="r1")])
+        self.sent = []
+        self._handle_generate_request = raise_in
+
+    def send_abort_output(self, abort, recv_req):
+        self.sent.append((abort, recv_req))
+
+
+def test_admission_containment_ends_the_request_alone():
+    """The hook on SGLang's real Scheduler.handle_generate_request: an error while admitting
+    one request answers that request with a 500 and takes it out of the queues; one raised
+    where shared state is touched (queueing, the prefix cache) still propagates."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from sgl_vericache.sglang.containment import install_admission_containment
+    from sgl_vericache.sglang.runtime import Runtime
+
+    install_admission_containment(Runtime())
+    recv = types.SimpleNamespace(rid="r1", mm_inputs=None, http_worker_ipc=None)
+
+    def bad_request(*args, **kwargs):
+        raise TypeError("'str' object cannot be interpreted as an integer")
+
+    fake = _FakeScheduler(bad_request)
+    assert Scheduler.handle_generate_request(fake, recv) is None
+    (abort, to), = fake.sent
+    assert abort.rid == "r1" and to is recv
+    assert abort.finished_reason["status_code"] == 500 and "TypeError" in abort.finished_reason["message"]
+    assert [r.rid for r in fake.waiting_queue] == ["other"] and fake.grammar_manager.grammar_queue == []
+
+    def _add_request_to_queue(*args, **kwargs):  # named as SGLang's: shared state
+        raise RuntimeError("queue broke")
+
+    fake = _FakeScheduler(_add_request_to_queue)
+    with pytest.raises(RuntimeError, match="queue broke"):
+        Scheduler.handle_generate_request(fake, recv)
+    assert fake.sent == []
