@@ -226,6 +226,8 @@ class Speculator:
         bs = len(batch.reqs)
         plans = [self.plan(req) for req in batch.reqs]
         lens = self.draft_lens(batch.reqs, batch.verified)
+        if any(n < self.planner.draft_len(plan) for n, plan in zip(lens, plans)):
+            self.stats.add("context_limited_rounds", 1)  # cut short so no position passes the context
         self._sync_store(batch, plans)
         verifying = self._verifying_rows(batch)
         if self.vc.full_device_budget >= 0:

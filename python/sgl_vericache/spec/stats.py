@@ -78,6 +78,8 @@ class Stats:
         "predicted_step_seconds": "The adaptive controller's predicted seconds of the iterations it decided",
         "measured_step_seconds": "The measured seconds of those iterations (its predictions' calibration)",
         "compressor_switches": "Requests moved to another compressor by --vericache-compressor auto",
+        "context_limited_rounds": "Rounds whose drafts were cut so that no verified position passes the model's "
+                                  "context",
     }
     GAUGES = {
         "compressed_prefix_bytes": "Bytes of compressed KV held by the prefix cache",
