@@ -14,8 +14,8 @@ regex), per-request compressors and draft lengths (``custom_params``), OpenAI ch
 the bad requests of test/fuzz_corpus.json (each must be refused with a 4xx).
 
 The faults, spread over the run, each ``--fault-rounds`` times: the Mooncake master killed
-and restarted (every key gone), store pages corrupted (objects replaced by zeros of the
-same size, found through the master's ``/get_all_keys``), the store stalled (its master
+and restarted (every key gone), a quarter of the store's pages corrupted (objects replaced
+by zeros of the same size, found through the master's ``/get_all_keys``), the store stalled (its master
 SIGSTOPped for a few seconds), ``/flush_cache`` (new requests held back until the server is
 idle: SGLang flushes only then), and a weight reload from disk
 (``/update_weights_from_disk``, the same checkpoint).
@@ -59,8 +59,10 @@ from soak_load import REPLAYED, run_load, summarize  # noqa: E402
 
 # log lines of a failed check: ours, SGLang's idle pool checks (strict), a dead scheduler
 INTEGRITY_SIGNS = ("CacheIntegrityError", "memory leak", "double free", "use-after-free", "Scheduler hit an exception")
-# in this order: pages corrupted, then the tiers above flushed, so that prefixes come back from the store
-FAULTS = ("corrupt_pages", "flush_cache", "slow_store", "kill_master", "reload_weights")
+# in this order: once the store has filled, pages corrupted and then the tiers above flushed,
+# so that the next turns read their prefixes back from the store (and meet corrupt pages);
+# the master's restart (every key gone) comes last
+FAULTS = ("reload_weights", "corrupt_pages", "flush_cache", "slow_store", "kill_master")
 
 
 @dataclass
@@ -255,14 +257,15 @@ class Faults:
         self.master.proc.send_signal(signal.SIGCONT)
         return {"stalled_s": 4}
 
-    def corrupt_pages(self, limit: int = 16) -> dict:
-        """Replace up to ``limit`` KV page objects by zeros of the same size (their digests,
-        ``*_vcsum``, untouched): a read must see the mismatch and recompute."""
+    def corrupt_pages(self, share: float = 0.25, limit: int = 256) -> dict:
+        """Replace a ``share`` of the KV page objects (at most ``limit``) by zeros of the same
+        size (their digests, ``*_vcsum``, untouched): a read must see the mismatch and recompute."""
         pages = [k for k in self.master.keys() if k.endswith(("_k", "_v"))]
         if not pages:
             return {"corrupted": 0, "pages_in_store": 0}
         store = self._store()
-        chosen = random.Random(len(self.log)).sample(pages, min(limit, len(pages)))
+        count = min(limit, max(16, int(share * len(pages))), len(pages))
+        chosen = random.Random(len(self.log)).sample(pages, count)
         corrupted = 0
         for key in chosen:
             size = len(store.get(key))
@@ -337,9 +340,28 @@ def replay(records: list[dict], url: str, clients: int = 2) -> dict:
             "differing": [r for r in results if not r["identical"]][:20]}
 
 
+# SGLang's HiCache refuses to start unless this much host memory stays free besides its pool
+# (pool_host/base.py HICACHE_HOST_MEMORY_RESERVE_BYTES, 10 GiB) and the pool (~0.4 GB here)
+HOST_MEMORY_NEEDED_GIB = 10.5
+
+
+class NotEnoughHostMemory(RuntimeError):
+    """This machine cannot start a HiCache server now (other work holds its memory)."""
+
+
+def check_host_memory() -> None:
+    import psutil
+
+    available = psutil.virtual_memory().available / 1024 ** 3
+    if available < HOST_MEMORY_NEEDED_GIB:
+        raise NotEnoughHostMemory(f"{available:.1f} GiB of host memory available; SGLang's HiCache keeps 10 GiB "
+                                  f"free besides its pool, so the soak needs {HOST_MEMORY_NEEDED_GIB} GiB")
+
+
 def run_soak(cfg: SoakConfig, out: Path | None, log_dir: Path) -> dict:
     from sgl_vericache.default_model import ensure_default_model
 
+    check_host_memory()
     model_path = str(ensure_default_model())
     master = Master(log_dir)
     env = {"VERICACHE_CHECK_INTEGRITY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",

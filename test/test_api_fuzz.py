@@ -194,7 +194,7 @@ GRAMMARS = ("regex", "json_schema", "ebnf")
 TOP_LEVEL = {
     "return_logprob": (st.booleans(), junk),
     "logprob_start_len": (st.integers(-1, 1), any_int),
-    "top_logprobs_num": (st.integers(0, 5) | st.just(VOCAB), any_int | junk),
+    "top_logprobs_num": (st.integers(0, 5), any_int | junk),  # VOCAB is served, but slowly (49152 per token)
     "token_ids_logprob": (st.lists(st.integers(0, VOCAB - 1), max_size=3), st.lists(any_int, min_size=1, max_size=3)),
     "return_text_in_logprobs": (st.booleans(), junk),
     "stream": (st.booleans(), junk),
@@ -471,6 +471,7 @@ def test_negative_control_without_checks(tmp_path, monkeypatch):
         except Exception:
             pass
         assert server.proc.poll() is not None, "the server survived a corpus body with the checks off"
-        assert "IndexError" in server.log_path.read_text(errors="replace") or "index" in server.log_tail(200)
+        log = server.log_path.read_text(errors="replace")
+        assert "Scheduler hit an exception" in log and "index out of range" in log, server.log_tail(60)
     finally:
         server.stop()

@@ -23,6 +23,7 @@ test_api_fuzz.py; never needed in serving).
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 from sgl_vericache import request_checks as checks
@@ -46,7 +47,7 @@ def vericache_config():
 def _vericache_from(raw: str):
     from sgl_vericache.config import VeriCacheConfig
 
-    vc = VeriCacheConfig.from_env() if raw else None
+    vc = VeriCacheConfig(**json.loads(raw)) if raw else None  # what VeriCacheConfig.from_env() reads
     return vc if vc is not None and vc.enable else None
 
 
