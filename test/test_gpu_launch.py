@@ -10,8 +10,15 @@ Imports nothing from SGLang, so scripts/gpu_check.sh can run it on a bare GPU ma
 
 from __future__ import annotations
 
-import pytest
+import contextlib
+import re
+
 import torch
+
+try:
+    import pytest
+except ImportError:  # a bare GPU machine without pytest runs this file as a script (scripts/gpu_check.sh)
+    pytest = None
 
 from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang.server import apply_vericache_flags, check_cuda_graphs
@@ -27,9 +34,9 @@ def test_the_launcher_turns_cuda_graphs_off_with_vericache_on():
 
 
 def test_a_vericache_worker_refuses_cuda_graphs_on_cuda():
-    with pytest.raises(ValueError, match="VERICACHE needs --disable-cuda-graph"):
+    with _raises(ValueError, "VERICACHE needs --disable-cuda-graph"):
         check_cuda_graphs(True, "cuda")
-    with pytest.raises(ValueError, match="needs --disable-cuda-graph"):
+    with _raises(ValueError, "needs --disable-cuda-graph"):
         check_cuda_graphs(True, "cuda:1")
     check_cuda_graphs(False, "cuda")
     check_cuda_graphs(True, "cpu")  # no graphs exist on a CPU device
@@ -83,7 +90,28 @@ def test_a_sampled_round_on_cpu():
     assert rnd._generators == {}  # the CPU generator itself served
 
 
-@pytest.mark.gpu
+def _gpu(test):
+    return pytest.mark.gpu(test) if pytest is not None else test
+
+
+@contextlib.contextmanager
+def _raises(kind, pattern):
+    try:
+        yield
+    except kind as exc:
+        assert re.search(pattern, str(exc)), (pattern, str(exc))
+    else:
+        raise AssertionError(f"{kind.__name__} matching {pattern!r} not raised")
+
+
+@_gpu
 def test_a_sampled_round_keeps_its_tensors_on_the_gpu():
     rnd = _sampled_round_on("cuda")
     assert [d.type for d in rnd._generators] == ["cuda"]  # one generator, seeded from the CPU one
+
+
+if __name__ == "__main__":  # without pytest: every test here, the GPU one where CUDA exists
+    for name, test in list(globals().items()):
+        if name.startswith("test_") and ("gpu" not in name or torch.cuda.is_available()):
+            test()
+            print("passed", name)
