@@ -79,6 +79,7 @@ class SoakConfig:
     deterministic: bool = False  # --vericache-deterministic on both servers (row-invariant kernels)
     request_timeout_s: float = 600.0
     replay: bool = True
+    replay_limit: int = 0  # replay at most this many answers, every kind in turn (0: all)
     faults: bool = True
 
 
@@ -313,7 +314,22 @@ def after_load(server: Server, idle_s: float = 20.0) -> dict:
             "integrity_problems": problems[:10], "ok": alive and not problems}
 
 
-def replay(records: list[dict], url: str, clients: int = 2) -> dict:
+def spread(records: list[dict], limit: int) -> list[dict]:
+    """At most ``limit`` records (0: all), taking every kind in turn, in recorded order."""
+    if not limit or len(records) <= limit:
+        return records
+    by_kind: dict[str, list] = {}
+    for rec in records:
+        by_kind.setdefault(rec["kind"], []).append(rec)
+    queues, chosen = list(by_kind.values()), []
+    while len(chosen) < limit:
+        for queue in queues:
+            if queue and len(chosen) < limit:
+                chosen.append(queue.pop(0))
+    return chosen
+
+
+def replay(records: list[dict], url: str, clients: int = 3) -> dict:
     """Each recorded greedy / seeded answer against speculation off: token ids equal?"""
     results: list[dict] = [None] * len(records)
 
@@ -384,6 +400,8 @@ def run_soak(cfg: SoakConfig, out: Path | None, log_dir: Path) -> dict:
             reference = Server(server_args(cfg, None), log_dir / "reference.log", {})
         result["integrity"] = after_load(server)
         records = [{"kind": o.kind, **o.replay} for o in outcomes if o.replay is not None and o.kind in REPLAYED]
+        result["replay_recorded"] = len(records)
+        records = spread(records, cfg.replay_limit)
         if reference is not None:
             server.stop()
             reference.wait_ready()
@@ -437,13 +455,16 @@ def main(argv=None) -> int:
     p.add_argument("--deterministic", action="store_true", help="--vericache-deterministic on both servers")
     p.add_argument("--no-replay", action="store_true", help="skip the speculation-off replay")
     p.add_argument("--no-faults", action="store_true", help="the same load without faults (a control)")
+    p.add_argument("--replay-limit", type=int, default=0, help="replay at most this many greedy/seeded answers "
+                   "on the speculation-off server, every kind in turn (default 0: all)")
     p.add_argument("--out", type=Path, default=None, help="JSON result (default benchmark/results/soak*.json)")
     args = p.parse_args(argv)
     minutes = args.minutes if args.minutes is not None else 2.5
     clients = args.clients or (4 if minutes <= 5 else 32)
     rounds = args.fault_rounds or (1 if minutes <= 10 else max(2, int(minutes // 10) + 1))
     cfg = SoakConfig(minutes=minutes, clients=clients, seed=args.seed, fault_rounds=rounds,
-                     deterministic=args.deterministic, replay=not args.no_replay, faults=not args.no_faults)
+                     deterministic=args.deterministic, replay=not args.no_replay, faults=not args.no_faults,
+                     replay_limit=args.replay_limit)
     quick = args.quick and args.minutes is None and args.clients is None
     name = "soak_quick" if quick else f"soak_{minutes:g}m_{clients}c"
     out = args.out or ROOT / "benchmark" / "results" / f"{name}.json"

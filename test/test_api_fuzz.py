@@ -155,6 +155,8 @@ bad_custom_params = st.fixed_dictionaries({}, optional={
     "vericache_bogus": junk,
 }).filter(bool) | st.text(max_size=4) | st.lists(st.integers(), max_size=2)
 
+MODES = ("good", "good", "one_bad", "chaos")  # half the bodies reach the scheduler
+
 # name -> (good, bad); good values are served, bad ones refused (or served, where SGLang
 # defines a meaning: the point is never a 5xx and never a dead server)
 SAMPLING = {
@@ -202,7 +204,7 @@ TOP_LEVEL = {
     "extra_key": (st.text(max_size=8), junk),
     "cache_salt": (st.text(max_size=8), junk),
     "log_metrics": (st.booleans(), junk),
-    "rid": (st.uuids().map(str), junk | st.just("")),
+    "rid": (st.nothing(), junk | st.just("") | st.uuids().map(str)),  # one rid for a batch is a 400
     "lora_path": (st.nothing(), st.text(max_size=6) | junk),
     "session_params": (st.nothing(), junk | st.sampled_from([{"id": "nope"}, {"x": 1}, {"id": "s", "offset": "x"}])),
     "return_prompt_token_ids": (st.booleans(), junk),
@@ -248,7 +250,7 @@ def sampling_params(draw, bad=None, chaos=False):
 
 @st.composite
 def generate_bodies(draw):
-    mode = draw(st.sampled_from(["good", "one_bad", "one_bad", "chaos"]))
+    mode = draw(st.sampled_from(MODES))
     chaos = mode == "chaos"
     fields = ["prompt", "sampling"] + sorted(SAMPLING) + sorted(TOP_LEVEL)
     bad = draw(st.sampled_from(fields)) if mode == "one_bad" else None
@@ -309,7 +311,7 @@ OPENAI = {
 def completion_bodies(draw):
     fields = dict(OPENAI, logprobs=(st.integers(0, 5), any_int | junk), echo=(st.booleans(), junk),
                   max_tokens=(small_max_new.filter(bool), st.sampled_from([0, -1, 8192, 10 ** 9]) | junk))
-    mode = draw(st.sampled_from(["good", "one_bad", "one_bad", "chaos"]))
+    mode = draw(st.sampled_from(MODES))
     bad = draw(st.sampled_from(["prompt"] + sorted(fields))) if mode == "one_bad" else None
     chaos = mode == "chaos"
     form = draw(st.sampled_from([good_text, st.lists(good_text, min_size=1, max_size=3), good_ids,
@@ -356,7 +358,7 @@ def chat_bodies(draw):
                   max_completion_tokens=(small_max_new.filter(bool), st.sampled_from([-1, 10 ** 9]) | junk),
                   chat_template_kwargs=(st.just({"enable_thinking": False}), junk),
                   continue_final_message=(st.booleans(), junk), separate_reasoning=(st.booleans(), junk))
-    mode = draw(st.sampled_from(["good", "one_bad", "one_bad", "chaos"]))
+    mode = draw(st.sampled_from(MODES))
     bad = draw(st.sampled_from(["messages"] + sorted(fields))) if mode == "one_bad" else None
     chaos = mode == "chaos"
     messages = draw(st.lists(good_message, min_size=1, max_size=3))

@@ -44,7 +44,7 @@ def soak(tmp_path_factory):
     except NotEnoughHostMemory as exc:  # the machine, not the product: SGLang's fixed reserve
         pytest.skip(str(exc))
 
-    cfg = SoakConfig(minutes=2.0, clients=3, seed=1, fault_rounds=1)
+    cfg = SoakConfig(minutes=2.0, clients=3, seed=1, fault_rounds=1, replay_limit=30)
     out = tmp_path_factory.mktemp("soak") / "soak.json"
     result = run_soak(cfg, out, tmp_path_factory.mktemp("soak_logs"))
     print(json.dumps({k: result[k] for k in ("requests", "faults", "integrity", "replay", "verdict") if k in result},
