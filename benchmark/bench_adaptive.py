@@ -9,9 +9,10 @@ auto``, the new defaults). Per workload every arm runs in turn, the order rotati
 repeat, so each ratio compares runs made minutes apart on this shared machine:
 
 - W1 serving: many requests at once (continuous batching), prompts of varied length, half
-  greedy and half seeded sampling;
+  greedy and half seeded sampling; every arm starts with an empty prefix cache;
 - W2 agents: multi-turn agent conversations (a shared system prompt, a growing history,
-  tool results between turns), the agents' turns sent together;
+  tool results between turns), the agents' turns sent together; an empty prefix cache at
+  the first turn;
 - W3 long context: a few requests with long prompts at once (prefix cached by a warm-up);
 - W4 one user: one code-generation request with a long prompt (prefix cached).
 
@@ -65,9 +66,10 @@ class AdaptiveConfig:
 
 PRESETS = {
     "default": AdaptiveConfig(),
-    "quick": AdaptiveConfig(mode="quick", repeats=1, w1_requests=8, w1_min_prompt=150, w1_max_prompt=600,
-                            w1_new_tokens=32, w2_agents=2, w2_turns=3, w2_new_tokens=24, w3_context=1500,
-                            w3_new_tokens=48, w4_context=1000, w4_new_tokens=64, sweep="kivi4:8,streamingllm:8",
+    "quick": AdaptiveConfig(mode="quick", repeats=2, w1_requests=8, w1_min_prompt=150, w1_max_prompt=600,
+                            w1_new_tokens=32, w2_agents=2, w2_turns=3, w2_new_tokens=24, w3_context=4000,
+                            w3_new_tokens=48, w4_context=1000, w4_new_tokens=64,
+                            sweep="kivi4:8,streamingllm:8,streamingllm:16",
                             out="benchmark/results/adaptive_quick.json"),
 }
 
@@ -198,6 +200,9 @@ def run_w4(engine, tok, cfg, custom, _):
 
 
 RUNNERS = {"W1": run_w1, "W2": run_w2, "W3": run_w3, "W4": run_w4}
+# Workloads whose prompts arrive new: every arm starts from an empty prefix cache (the swept
+# settings share one engine, which would otherwise find the earlier arms' prefixes cached).
+COLD = ("W1", "W2")
 
 
 # ---------------------------------------------------------------- run
@@ -212,6 +217,8 @@ def run_workload(name, engines, tok, cfg, log) -> dict:
         order.sort(key=lambda a: a[0] != "off")  # the reference first: W2's inputs follow it
         for arm, engine_name, custom in order:
             engine = engines[engine_name]
+            if name in COLD and not engine.flush_cache():
+                raise RuntimeError(f"{name} {arm}: the engine did not flush its prefix cache")
             before = engine.vericache_state()
             outputs, seconds = RUNNERS[name](engine, tok, cfg, custom, reference)
             after = engine.vericache_state()

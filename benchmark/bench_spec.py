@@ -159,6 +159,12 @@ class EngineProc:
         self.conn.send(("state",))
         return self._reply()
 
+    def flush_cache(self) -> bool:
+        """Empty the engine's prefix cache (SGLang flushes only when idle: it is, between
+        our calls), so that the next run prefills cold."""
+        self.conn.send(("flush",))
+        return self._reply()
+
     def request_shutdown(self) -> None:
         """Ask the child to shut its engine down, without waiting (``shutdown`` waits)."""
         if self.proc.is_alive() and not getattr(self, "_shutdown_sent", False):
@@ -206,9 +212,13 @@ def _engine_main(conn, model_path: str, env: dict, engine_kw: dict, forked: bool
         return
     conn.send(("ready", None))
     try:
-        while (msg := conn.recv())[0] in ("generate", "state"):
+        while (msg := conn.recv())[0] in ("generate", "state", "flush"):
             if msg[0] == "state":
                 conn.send(("ok", engine.get_server_info()["internal_states"][0].get("vericache", {})))
+                continue
+            if msg[0] == "flush":
+                result = engine.flush_cache()
+                conn.send(("ok", bool(getattr(result, "success", result))))
                 continue
             try:
                 t0 = time.perf_counter()

@@ -171,6 +171,7 @@ class Controller:
     PROBE_DRAFT = 3
     PLAIN_PROBE_EVERY = 64  # speculating iterations before a plain step re-measures its cost
     CALIBRATION_PLAIN = 3  # plain steps measured early (the first iteration, then every 4th), before trusting
+    CALIBRATION_ROUNDS = 3  # rounds measured early (every 4th iteration while plain is chosen), before trusting
 
     def __init__(self, max_draft_len: int, allow_plain: bool = True, schedule: Sequence[int] = ()):
         """``schedule``: draft lengths to cycle through instead of deciding (0 = plain), so
@@ -255,7 +256,8 @@ class Controller:
             choice = spec if rate(spec) > rate(plain) * (1 + self.HYSTERESIS) else plain
         self.since_switch += 1
         self.iterations += 1
-        if not forced and choice.draft_len == 0 and self.since_switch >= self.probe_every:
+        if not forced and choice.draft_len == 0 and (self.since_switch >= self.probe_every or (
+                self.costs.draft.samples < self.CALIBRATION_ROUNDS and self.iterations % 4 == 3)):
             choice = Decision(min(self.PROBE_DRAFT, self.max_draft_len), self.costs.round_seconds(rows, self.PROBE_DRAFT),
                               self.tokens(rows, self.PROBE_DRAFT), probe=True)
         elif not forced and choice.draft_len and (self.since_switch >= self.PLAIN_PROBE_EVERY or (
@@ -287,7 +289,8 @@ class Controller:
             self._row_acceptance(row).observe(k, d)
             self._prior(row.compressor).observe(k, d)
             gained += k
-        if self.last is not None and self.last.probe and self.last.draft_len:
+        calibrating = self.costs.draft.samples <= self.CALIBRATION_ROUNDS  # this round was one of the first
+        if self.last is not None and self.last.probe and self.last.draft_len and not calibrating:
             # a probe that paid resets the back-off; one that lost doubles it
             won = gained + len(rows) > len(rows) * (draft_seconds + verify_seconds) / max(
                 self.costs.plain.predict(self.costs.plain_x(rows)), 1e-9)
