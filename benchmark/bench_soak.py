@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import socket
@@ -55,6 +54,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_spec import ROOT, first_divergence, provenance  # noqa: E402
+from server_process import ServerProcess, free_port  # noqa: E402
 from soak_load import REPLAYED, run_load, summarize  # noqa: E402
 
 # log lines of a failed check: ours, SGLang's idle pool checks (strict), a dead scheduler
@@ -81,12 +81,6 @@ class SoakConfig:
     replay: bool = True
     replay_limit: int = 0  # replay at most this many answers, every kind in turn (0: all)
     faults: bool = True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(port: int) -> bool:
@@ -134,53 +128,6 @@ class Master:
                 "metadata_server": "P2PHANDSHAKE", "global_segment_size": 512 << 20, "local_hostname": "127.0.0.1"}
 
 
-class Server:
-    """A ``launch_server`` process group and its log."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "sgl_vericache.launch_server", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, **env}, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: see {self.log_path}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"server not ready after {timeout:.0f} s: see {self.log_path}")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def rss_mb(self) -> float:
-        out = subprocess.run(["ps", "-o", "rss=", "-g", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return round(sum(int(x) for x in out.split()) / 1024, 1)
-
-    def healthy(self) -> bool:
-        try:
-            return self.alive() and requests.get(self.url + "/health_generate", timeout=300).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-
-
 def server_args(cfg: SoakConfig, master: Master | None) -> list[str]:
     args = ["--max-total-tokens", str(cfg.max_total_tokens), "--enable-metrics"]
     if cfg.deterministic:
@@ -203,7 +150,7 @@ def server_args(cfg: SoakConfig, master: Master | None) -> list[str]:
 class Faults:
     """The fault schedule and what each fault did, run on a thread of its own."""
 
-    def __init__(self, server: Server, master: Master, model_path: str, cfg: SoakConfig, start: float):
+    def __init__(self, server: ServerProcess, master: Master, model_path: str, cfg: SoakConfig, start: float):
         self.server, self.master, self.model_path, self.cfg = server, master, model_path, cfg
         span = cfg.minutes * 60
         names = [name for _ in range(cfg.fault_rounds) for name in FAULTS]
@@ -303,7 +250,7 @@ def metrics(url: str, prefixes=("vericache:tier_", "sglang:num_running_reqs")) -
     return out
 
 
-def after_load(server: Server, idle_s: float = 20.0) -> dict:
+def after_load(server: ServerProcess, idle_s: float = 20.0) -> dict:
     """Idle with integrity checks on (a violation or leak stops the server), then answer."""
     time.sleep(idle_s)
     alive = server.alive()
@@ -382,11 +329,11 @@ def run_soak(cfg: SoakConfig, out: Path | None, log_dir: Path) -> dict:
     master = Master(log_dir)
     env = {"VERICACHE_CHECK_INTEGRITY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
            "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-    server = Server(server_args(cfg, master), log_dir / "server.log", env)
+    server = ServerProcess(server_args(cfg, master), log_dir / "server.log", env)
     reference = None
     result = {"config": asdict(cfg), **provenance(model_path), "logs": str(log_dir)}
     try:
-        server.wait_ready()
+        server.wait_ready(900)
         result["rss_mb_start"] = server.rss_mb()
         t0 = time.monotonic()
         faults = Faults(server, master, model_path, cfg, t0)
@@ -397,14 +344,14 @@ def run_soak(cfg: SoakConfig, out: Path | None, log_dir: Path) -> dict:
         result["faults"] = faults.log
         result["tier_metrics"] = metrics(server.url)
         if cfg.replay:  # started now: it boots while the soak server idles, never during the load
-            reference = Server(server_args(cfg, None), log_dir / "reference.log", {})
+            reference = ServerProcess(server_args(cfg, None), log_dir / "reference.log")
         result["integrity"] = after_load(server)
         records = [{"kind": o.kind, **o.replay} for o in outcomes if o.replay is not None and o.kind in REPLAYED]
         result["replay_recorded"] = len(records)
         records = spread(records, cfg.replay_limit)
         if reference is not None:
             server.stop()
-            reference.wait_ready()
+            reference.wait_ready(900)
             result["replay"] = replay(records, reference.url)
     finally:
         server.stop()
