@@ -132,6 +132,28 @@ def test_it_follows_a_workload_that_changes():
     assert back <= 32, back  # found by the probes (every 8-64 plain iterations), then confirmed
 
 
+def test_new_requests_are_probed_despite_a_backed_off_interval():
+    """Probes that kept losing on short prompts back off to every 64 plain iterations; a new
+    batch of long-context requests whose drafts pay is probed within the base interval, and
+    speculation follows (the back-off was the old requests' evidence, not theirs)."""
+    ctl = Controller(max_draft_len=16)
+    world = World(_rows(8, 300, compressor="kivi4", fraction=1.0), alpha=lambda r: 0.05)
+    for _ in range(400):
+        world.step(ctl)
+    assert ctl.probe_every == Controller.MAX_PROBE_EVERY and not ctl.speculating
+    for r in list(ctl.rows):
+        ctl.forget(r)
+    # the same compressor (its shared prior now says its drafts fail), long contexts where a
+    # draft step costs half a plain one, and drafts that are accepted
+    world.rows = [Row(f"long{i}", 8000, 8000, "kivi4") for i in range(4)]
+    world.alpha = lambda r: 0.97
+    first = next(i for i in range(1, 100) if world.step(ctl).draft_len > 0)
+    assert first <= Controller.PROBE_EVERY + 1, first
+    for _ in range(60):
+        world.step(ctl)
+    assert ctl.speculating
+
+
 def test_forced_rows_and_budget_always_speculate():
     world = World(_rows(2, 500), alpha=lambda r: 0.0)
     world.rows[0].draft_len = 4  # a request's own custom_params draft length

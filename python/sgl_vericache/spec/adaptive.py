@@ -256,7 +256,10 @@ class Controller:
             choice = spec if rate(spec) > rate(plain) * (1 + self.HYSTERESIS) else plain
         self.since_switch += 1
         self.iterations += 1
-        if not forced and choice.draft_len == 0 and (self.since_switch >= self.probe_every or (
+        # a request no round has measured yet (a new one) is probed at the base interval: the
+        # back-off learned from earlier requests says nothing about its drafts
+        probe_every = self.PROBE_EVERY if any(r.rid not in self.rows for r in rows) else self.probe_every
+        if not forced and choice.draft_len == 0 and (self.since_switch >= probe_every or (
                 self.costs.draft.samples < self.CALIBRATION_ROUNDS and self.iterations % 4 == 3)):
             choice = Decision(min(self.PROBE_DRAFT, self.max_draft_len), self.costs.round_seconds(rows, self.PROBE_DRAFT),
                               self.tokens(rows, self.PROBE_DRAFT), probe=True)
