@@ -65,6 +65,19 @@ def test_online_linear_learns_the_true_costs_from_a_wrong_prior():
     assert model.predict([1.0, 4, 8000]) == pytest.approx(0.05 + 0.04 + 0.16, rel=0.02)
 
 
+def test_online_linear_never_extrapolates_below_zero():
+    """Costs fitted where the KV term is lost in noise (short contexts, 8 rows) must not fall
+    for a batch with more KV: no weight below zero (one did in bench_adaptive's W3, where a
+    round at 4 x 4k was predicted to cost 0 s and a 16-draft round of a dense quantizer ran)."""
+    model = OnlineLinear([0.05, 0.015, 0.011])
+    rng = random.Random(3)
+    for _ in range(300):
+        kv = rng.uniform(1.5, 2.5)
+        model.observe([1.0, 8, kv], (0.30 - 0.05 * (kv - 2.0)) * rng.lognormvariate(0, 0.05))
+    assert all(w >= 0 for w in model.w), model.w
+    assert model.predict([1.0, 4, 16.0]) >= model.predict([1.0, 4, 2.0]) > 0
+
+
 def test_expected_tokens_and_acceptance_estimates():
     assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 8) == 9.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
@@ -152,6 +165,24 @@ def test_new_requests_are_probed_despite_a_backed_off_interval():
     for _ in range(60):
         world.step(ctl)
     assert ctl.speculating
+
+
+def test_plain_cost_is_measured_for_a_batch_outside_what_was_measured():
+    """Plain steps measured at short context only; a long-context batch that speculates
+    gets a plain step of its own early, instead of trusting the short-context fit for the
+    next 64 iterations (a big round is one iteration: that can be a whole request)."""
+    ctl = Controller(max_draft_len=16)
+    world = World(_rows(4, 1000), alpha=lambda r: 0.995)
+    for _ in range(30):
+        world.step(ctl)
+    assert ctl.speculating and ctl.plain_seen[1] < 8
+    for r in list(ctl.rows):
+        ctl.forget(r)
+    world.rows = [Row(f"long{i}", 8000, 2000, "streamingllm") for i in range(4)]
+    decisions = [world.step(ctl) for _ in range(8)]
+    plain_at = [i for i, d in enumerate(decisions) if d.draft_len == 0]
+    assert plain_at and plain_at[0] <= 2 and decisions[plain_at[0]].probe, plain_at
+    assert ctl.plain_seen[1] >= 32.0 and ctl.speculating
 
 
 def test_forced_rows_and_budget_always_speculate():

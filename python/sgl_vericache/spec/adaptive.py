@@ -40,7 +40,7 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations (drafts) behind a prior
 class OnlineLinear:
     """``seconds ~ w . x``, fitted by recursive least squares with forgetting factor
     ``forget`` (older samples weigh ``forget^age``), from ``prior`` weights held with
-    confidence ``1 / prior_var``."""
+    confidence ``1 / prior_var``; weights kept non-negative (each is a cost)."""
 
     def __init__(self, prior: Sequence[float], forget: float = 0.97, prior_var: float = 1.0):
         self.w = [float(v) for v in prior]
@@ -60,7 +60,9 @@ class OnlineLinear:
         denom = lam + sum(x[i] * px[i] for i in range(n))
         gain = [v / denom for v in px]
         error = seconds - sum(w * v for w, v in zip(self.w, x))
-        self.w = [w + g * error for w, g in zip(self.w, gain)]
+        # every term is a cost: a weight below zero is noise fitted inside the measured range,
+        # and would make a batch outside it (more rows, more KV) look cheaper than a smaller one
+        self.w = [max(0.0, w + g * error) for w, g in zip(self.w, gain)]
         self.p = [[(self.p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
         self.samples += 1
 
@@ -186,6 +188,7 @@ class Controller:
         self.since_switch = 0
         self.iterations = 0
         self.probe_every = self.PROBE_EVERY
+        self.plain_seen = (0, 0.0)  # the most rows and full KV (thousands) a measured plain step had
         self.last = None  # the last Decision
 
     # -- acceptance ------------------------------------------------------------------
@@ -264,7 +267,8 @@ class Controller:
             choice = Decision(min(self.PROBE_DRAFT, self.max_draft_len), self.costs.round_seconds(rows, self.PROBE_DRAFT),
                               self.tokens(rows, self.PROBE_DRAFT), probe=True)
         elif not forced and choice.draft_len and (self.since_switch >= self.PLAIN_PROBE_EVERY or (
-                self.costs.plain.samples < self.CALIBRATION_PLAIN and self.iterations % 4 == 1)):
+                self.costs.plain.samples < self.CALIBRATION_PLAIN and self.iterations % 4 == 1)
+                or self._plain_unmeasured(rows)):
             choice = Decision(0, plain.predicted_seconds, plain.predicted_tokens, probe=True)
         if choice.probe or (choice.draft_len > 0) != self.speculating:
             self.since_switch = 0
@@ -273,10 +277,20 @@ class Controller:
         self.last = choice
         return choice
 
+    def _plain_unmeasured(self, rows: Sequence[Row]) -> bool:
+        """The batch is well outside what plain steps have been measured at (half as many
+        rows again, or half as much full KV again): its plain cost would be an extrapolation,
+        and speculating iterations re-measure it only every ``PLAIN_PROBE_EVERY``."""
+        _, rows_n, kv = self.costs.plain_x(rows)
+        seen_rows, seen_kv = self.plain_seen
+        return rows_n > 1.5 * max(seen_rows, 1) or kv > 1.5 * max(seen_kv, 0.5)
+
     # -- what happened ---------------------------------------------------------------
 
     def observe_plain(self, rows: Sequence[Row], seconds: float) -> None:
-        self.costs.plain.observe(self.costs.plain_x(rows), seconds)
+        x = self.costs.plain_x(rows)
+        self.costs.plain.observe(x, seconds)
+        self.plain_seen = (max(self.plain_seen[0], x[1]), max(self.plain_seen[1], x[2]))
 
     def observe_round(self, rows: Sequence[Row], steps: int, draft_seconds: float, verify_seconds: float,
                       drafted: Sequence[int], accepted: Sequence[int]) -> None:
