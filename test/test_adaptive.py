@@ -67,15 +67,15 @@ def test_online_linear_learns_the_true_costs_from_a_wrong_prior():
 
 def test_online_linear_never_extrapolates_below_zero():
     """Costs fitted where the KV term is lost in noise (short contexts, 8 rows) must not fall
-    for a batch with more KV: no weight below zero (one did in bench_adaptive's W3, where a
-    round at 4 x 4k was predicted to cost 0 s and a 16-draft round of a dense quantizer ran)."""
+    for a batch with more KV (a weight went below zero in bench_adaptive's W3, where a round
+    at 4 x 4k was predicted to cost 0 s and a 16-draft round of a dense quantizer ran)."""
     model = OnlineLinear([0.05, 0.015, 0.011])
     rng = random.Random(3)
     for _ in range(300):
         kv = rng.uniform(1.5, 2.5)
         model.observe([1.0, 8, kv], (0.30 - 0.05 * (kv - 2.0)) * rng.lognormvariate(0, 0.05))
-    assert all(w >= 0 for w in model.w), model.w
-    assert model.predict([1.0, 4, 16.0]) >= model.predict([1.0, 4, 2.0]) > 0
+    assert model.predict([1.0, 4, 16.0]) >= model.predict([1.0, 4, 2.5]) > 0.05, model.w
+    assert model.predict([1.0, 8, 2.0]) == pytest.approx(0.30, rel=0.05)  # inside the range: the fit
 
 
 def test_expected_tokens_and_acceptance_estimates():

@@ -40,7 +40,7 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations (drafts) behind a prior
 class OnlineLinear:
     """``seconds ~ w . x``, fitted by recursive least squares with forgetting factor
     ``forget`` (older samples weigh ``forget^age``), from ``prior`` weights held with
-    confidence ``1 / prior_var``; weights kept non-negative (each is a cost)."""
+    confidence ``1 / prior_var``."""
 
     def __init__(self, prior: Sequence[float], forget: float = 0.97, prior_var: float = 1.0):
         self.w = [float(v) for v in prior]
@@ -48,9 +48,14 @@ class OnlineLinear:
         self.p = [[prior_var if i == j else 0.0 for j in range(n)] for i in range(n)]
         self.forget = forget
         self.samples = 0
+        self.seen = [0.0] * n  # the largest value of each feature observed
 
     def predict(self, x: Sequence[float]) -> float:
-        return max(0.0, sum(w * v for w, v in zip(self.w, x)))
+        """``w . x``, never less than at ``x`` cut back to the largest values measured: a weight
+        below zero is noise fitted inside the measured range (a cost term that is too small to
+        see there), and must not make a batch beyond it (more rows, more KV) look cheaper."""
+        inside = [min(v, top) for v, top in zip(x, self.seen)]
+        return max(0.0, sum(w * v for w, v in zip(self.w, x)), sum(w * v for w, v in zip(self.w, inside)))
 
     def observe(self, x: Sequence[float], seconds: float) -> None:
         if not (seconds > 0 and math.isfinite(seconds)):
@@ -60,9 +65,8 @@ class OnlineLinear:
         denom = lam + sum(x[i] * px[i] for i in range(n))
         gain = [v / denom for v in px]
         error = seconds - sum(w * v for w, v in zip(self.w, x))
-        # every term is a cost: a weight below zero is noise fitted inside the measured range,
-        # and would make a batch outside it (more rows, more KV) look cheaper than a smaller one
-        self.w = [max(0.0, w + g * error) for w, g in zip(self.w, gain)]
+        self.w = [w + g * error for w, g in zip(self.w, gain)]
+        self.seen = [max(a, b) for a, b in zip(self.seen, x)]
         self.p = [[(self.p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
         self.samples += 1
 
