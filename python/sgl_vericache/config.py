@@ -140,10 +140,12 @@ class VeriCacheConfig:
 
     @classmethod
     def from_env(cls) -> Optional["VeriCacheConfig"]:
-        raw = os.environ.get(ENV_VAR)
-        if not raw:
-            return None
-        return cls(**json.loads(raw))
+        return cls.from_json(os.environ.get(ENV_VAR))
+
+    @classmethod
+    def from_json(cls, raw: Optional[str]) -> Optional["VeriCacheConfig"]:
+        """The config ``to_env`` wrote (None for an empty value)."""
+        return cls(**json.loads(raw)) if raw else None
 
 
 def _flag(name: str) -> str:

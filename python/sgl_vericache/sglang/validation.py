@@ -23,7 +23,6 @@ test_api_fuzz.py; never needed in serving).
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 from sgl_vericache import request_checks as checks
@@ -47,7 +46,7 @@ def vericache_config():
 def _vericache_from(raw: str):
     from sgl_vericache.config import VeriCacheConfig
 
-    vc = VeriCacheConfig(**json.loads(raw)) if raw else None  # what VeriCacheConfig.from_env() reads
+    vc = VeriCacheConfig.from_json(raw)
     return vc if vc is not None and vc.enable else None
 
 
