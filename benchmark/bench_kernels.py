@@ -28,6 +28,7 @@ and the share of the transfer the round hides.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -50,7 +51,12 @@ COMBOS = [(32768, 8), (131072, 8), (32768, 32), (8192, 8), (131072, 32), (8192, 
           (131072, 1), (8192, 1)]
 METHODS = {"kivi4": {"group_size": 32, "residual_length": 128}, "kivi2": {"group_size": 32, "residual_length": 128},
            "int8": {}, "fp8": {"scale": "head"}, "droppers": {}, "quest": {}}
-TUNE_CONFIGS = [(32, 4), (64, 4), (32, 8), (64, 8)]  # (block_n, num_warps)
+# the launch search, per head shape at 32k x 8: (block_n, num_warps, num_stages), each with
+# the method's variants (KIVI: join or gather unpacking; int8 / fp8: scales folded or not),
+# then the best of those at 1 and 4 waves of programs instead of 2
+TUNE_CONFIGS = [(32, 4, 2), (64, 4, 2), (128, 4, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3), (128, 8, 3), (64, 4, 4)]
+TUNE_VARIANTS = {"kivi4": [{"unpack": 0}, {"unpack": 1}], "kivi2": [{"unpack": 0}, {"unpack": 1}],
+                 "int8": [{"fold": True}, {"fold": False}], "fp8": [{"fold": True}, {"fold": False}]}
 EXTRAS = 16  # provisional tokens seen (draft step 16 of 32)
 RATIO = 4.0
 
@@ -224,8 +230,9 @@ def _row(base, kind, method, ms, nbytes, mode, timer) -> dict:
             "timing": mode}
 
 
-def tune(timer, device, gen, context, batch, shape_name="llama3-8b") -> tuple[dict, list]:
-    """Per method, the fastest (block_n, num_warps) at one combination; used everywhere."""
+def tune(timer, device, gen, context, batch, shape_name, deadline) -> tuple[dict, list]:
+    """Per method, the fastest launch (TUNE_CONFIGS x TUNE_VARIANTS, then waves) at one
+    combination of one head shape; the search stops where the clock passes ``deadline``."""
     hq, hkv, d = SHAPES[shape_name]
     q = _rand((batch, hq, d), torch.bfloat16, device, gen)
     ke, ve = (_rand((batch, 32, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
@@ -233,14 +240,33 @@ def tune(timer, device, gen, context, batch, shape_name="llama3-8b") -> tuple[di
     for method in METHODS:
         packed = synth_entry(method, batch, context, hkv, d, device, gen)
         timed = []
-        for block_n, warps in TUNE_CONFIGS:
-            cfg = ops.LaunchConfig(block_n=block_n, num_warps=warps)
-            ms, _ = timer(_draft_call(packed, q, ke, ve, cfg))
+
+        def trial(cfg):
+            try:
+                ms, _ = timer(_draft_call(packed, q, ke, ve, cfg))
+            except Exception as exc:  # noqa: BLE001 - a launch that fails to compile is not a candidate
+                log.append({"shape": shape_name, "method": method, **_launch(cfg), "error": str(exc)[:200]})
+                return
             timed.append((ms, cfg))
-            log.append({"method": method, "block_n": block_n, "num_warps": warps, "ms": ms})
-        best[method] = min(timed, key=lambda t: t[0])[1]
+            log.append({"shape": shape_name, "method": method, **_launch(cfg), "ms": ms})
+
+        for variant in TUNE_VARIANTS.get(method, [{}]):
+            for block_n, warps, stages in TUNE_CONFIGS:
+                if time.monotonic() < deadline or not timed:
+                    trial(ops.LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, **variant))
+        if timed:
+            top = min(timed, key=lambda t: t[0])[1]
+            for waves in (1, 4):
+                if time.monotonic() < deadline:
+                    trial(dataclasses.replace(top, waves=waves))
+            best[method] = min(timed, key=lambda t: t[0])[1]
         del packed
     return best, log
+
+
+def _launch(cfg: ops.LaunchConfig) -> dict:
+    return {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "fold": cfg.fold,
+            "unpack": cfg.unpack, "waves": cfg.waves}
 
 
 # ---------------------------------------------------------------- the layer loader
@@ -357,6 +383,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=default_out, help="JSON result (default: $OUT/bench_kernels.json)")
     ap.add_argument("--hbm-tbps", type=float, default=4.8, help="the device's HBM peak, TB/s (H200: 4.8)")
     ap.add_argument("--budget-s", type=float, default=300, help="stop starting new combinations after this")
+    ap.add_argument("--tune-budget-s", type=float, default=150, help="stop the launch search after this")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per measurement (median)")
     ap.add_argument("--no-tune", action="store_true", help="skip the launch-size search")
     ap.add_argument("--no-loader", action="store_true", help="skip the host -> device loader measurement")
@@ -370,17 +397,24 @@ def main() -> None:
     timer = Timer(device, 2 if args.smoke else args.reps, args.hbm_tbps * 1e12)
     combos = [(256, 2)] if args.smoke else COMBOS
     shapes = {"llama70b-tp8"} if args.smoke else set(SHAPES)
-    configs = {m: ops.LaunchConfig(block_n=16 if args.smoke else ops.DEFAULT_BLOCK_N) for m in METHODS}
+    default = {m: ops.LaunchConfig(block_n=16 if args.smoke else ops.DEFAULT_BLOCK_N) for m in METHODS}
+    configs = {name: dict(default) for name in SHAPES}  # shape -> method -> launch
     result = {"generated": time.strftime("%Y-%m-%d %H:%M:%S"), **_provenance(device), "hbm_bytes_per_s": timer.hbm,
               "dtype": "bf16", "extras_seen": EXTRAS, "methods": METHODS, "ratio_droppers_quest": RATIO,
               "smoke": args.smoke, "rows": [], "skipped": []}
     if not (args.no_tune or args.smoke):
-        try:
-            best, result["tuning"] = tune(timer, device, gen, 32768, 8)
-            configs.update(best)
-        except Exception as exc:  # noqa: BLE001 - measure with the defaults instead
-            result["tuning"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    result["launch"] = {m: {"block_n": c.block_n, "num_warps": c.num_warps} for m, c in configs.items()}
+        result["tuning"] = []
+        for i, shape_name in enumerate(SHAPES):  # each shape its share of the tuning budget
+            deadline = started + args.tune_budget_s * (i + 1) / len(SHAPES)
+            try:
+                best, log = tune(timer, device, gen, 32768, 8, shape_name, deadline)
+                configs[shape_name].update(best)
+                result["tuning"] += log
+            except Exception as exc:  # noqa: BLE001 - measure with the defaults instead
+                result["tuning"].append({"shape": shape_name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            print(f"tuned {shape_name}: " + ", ".join(f"{m} {_launch(c)}" for m, c in configs[shape_name].items()),
+                  flush=True)
+    result["launch"] = {name: {m: _launch(c) for m, c in per.items()} for name, per in configs.items()}
     for context, batch in combos:
         for shape_name in SHAPES:
             if shape_name not in shapes:
@@ -393,7 +427,7 @@ def main() -> None:
                 result["skipped"].append({**combo, "reason": why})
                 print(f"skip {shape_name} {context}x{batch}: {why}", flush=True)
                 continue
-            rows = bench_combo(shape_name, context, batch, timer, configs, device, gen)
+            rows = bench_combo(shape_name, context, batch, timer, configs[shape_name], device, gen)
             result["rows"] += rows
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -401,7 +435,7 @@ def main() -> None:
             _write(args.out, result)  # partial results survive a timeout
     if device.type == "cuda" and not args.no_loader:
         try:
-            result["loader"] = loader = bench_loader(timer, device, gen, config=configs["kivi4"])
+            result["loader"] = loader = bench_loader(timer, device, gen, config=configs["llama70b-tp8"]["kivi4"])
             print(f"loader: {loader['GBps']:.1f} GB/s, {loader['transfer_hidden_fraction']:.2f} of the transfer "
                   f"hidden behind a draft round ({loader['draft_round_ms']:.1f} ms vs {loader['copy_ms']:.1f} ms)")
         except Exception as exc:  # noqa: BLE001

@@ -255,11 +255,40 @@ def _label(method, options, shape: Shape, splits) -> str:
     return label
 
 
-def _method_case(method, options, shape: Shape, splits) -> Case:
-    cfg = ops.LaunchConfig(num_splits=splits, block_n=16)
-    family = "quantizers" if method in QUANTIZERS else "droppers"
-    return Case(_label(method, options, shape, splits),
-                lambda dev, a=(method, options, shape, cfg): check_method(*a, dev), family=family, tags=(method,))
+def _method_case(method, options, shape: Shape, splits, family=None, interpret=True, **launch) -> Case:
+    cfg = ops.LaunchConfig(num_splits=splits, **{"block_n": 16, **launch})
+    family = family or ("quantizers" if method in QUANTIZERS else "droppers")
+    label = _label(method, options, shape, splits) + "".join(f" {k}={v}" for k, v in launch.items())
+    return Case(label, lambda dev, a=(method, options, shape, cfg): check_method(*a, dev), family=family,
+                interpret=interpret, tags=(method,))
+
+
+def _launch_variants() -> list[Case]:
+    """The launch options off their defaults: KIVI codes gathered per channel (unpack=1),
+    int8 / fp8 dequantized per element (fold=False); and, compiled only, the KIVI shapes
+    with half-precision entries at every block size (the first H200 run failed these at
+    block_n=16 with join / reshape unpacking)."""
+    f32, b16, f16 = torch.float32, torch.bfloat16, torch.float16
+    cases = [
+        _method_case("kivi4", KIVI, Shape((37, 70, 5)), 2, unpack=1),  # group 8: key scales per token
+        _method_case("kivi4", {"group_size": 16, "residual_length": 8}, Shape((40, 33), dtype=b16), 1, unpack=1),
+        _method_case("kivi2", {"group_size": 32, "residual_length": 0}, Shape((70, 9), head_dim=128, dtype=f16), 2,
+                     unpack=1),
+        _method_case("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2, fold=False),
+        _method_case("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1, fold=False),
+    ]
+    half_kivi = [
+        ("kivi2", {"group_size": 32, "residual_length": 16}, Shape((100, 49), head_dim=128, dtype=b16), 1),
+        ("kivi4", KIVI, Shape((37, 70, 5), dtype=f16), 2),
+        ("kivi4", {"group_size": 16, "residual_length": 8}, Shape((27, 15, 90), head_dim=128, dtype=b16), 4),
+        ("kivi4", {"group_size": 32, "residual_length": 32}, Shape((96, 82, 11), group=8, kv_heads=1, dtype=f16), 2),
+        ("kivi2", {"group_size": 8, "residual_length": 0}, Shape((1, 112, 84), group=8, kv_heads=1, dtype=b16), 1),
+        ("kivi2", {"group_size": 16, "residual_length": 16}, Shape((98, 97, 95), group=1, head_dim=128, dtype=f16), 4),
+    ]
+    for unpack, block_n in ((0, 32), (0, 64), (1, 16), (1, 32), (1, 64)):
+        cases += [_method_case(*row, family="large", interpret=False, unpack=unpack, block_n=block_n)
+                  for row in half_kivi]
+    return cases
 
 
 def _curated() -> list[Case]:
@@ -315,7 +344,7 @@ def _sweep() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    cases = _curated() + _sweep()
+    cases = _curated() + _sweep() + _launch_variants()
     cases += [Case(f"{m} teacher-forced rows", lambda dev, m=m, o=o: check_tokens(m, o, Shape((50,)), dev),
                    family="layouts", tags=(m, "tokens"))
               for m, o in (("kivi4", KIVI), ("snapkv", {"window_size": 4, "min_budget": 8}))]

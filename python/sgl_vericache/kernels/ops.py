@@ -23,7 +23,7 @@ import torch
 
 from . import triton_decode as td
 from . import triton_quest as tq
-from .packing import META_COLS, PackedKV, RowTable
+from .packing import FMT_FP8, FMT_INT8, META_COLS, PackedKV, RowTable
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_SPLITS = 64
@@ -45,6 +45,11 @@ class LaunchConfig:
     block_n: int = DEFAULT_BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
+    # int8 / fp8: multiply the exact codes and put the token scales on the scores and the
+    # probabilities ([BN] products a block) instead of dequantizing every element
+    fold: bool = True
+    unpack: int = 0  # KIVI codes: 0 join / reshape a row's bytes, 1 gather each channel's byte
+    waves: int = 2  # num_splits=None: enough splits for this many waves of programs over the SMs
 
 
 def dot_modes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[int, int]:
@@ -64,12 +69,12 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_splits(programs: int, longest: int, block_n: int, device: torch.device) -> int:
-    """Enough programs for two waves over the GPU, each with at least two key blocks."""
+def choose_splits(programs: int, longest: int, block_n: int, device: torch.device, waves: int = 2) -> int:
+    """Enough programs for ``waves`` waves over the GPU, each with at least two key blocks."""
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    want = min(-(-2 * sms // max(programs, 1)), max(1, longest // (2 * block_n)), MAX_SPLITS)
+    want = min(-(-waves * sms // max(programs, 1)), max(1, longest // (2 * block_n)), MAX_SPLITS)
     return _pow2(want)
 
 
@@ -80,6 +85,15 @@ def key_scale_mode(token_group: int, block_n: int) -> int:
     if block_n % token_group == 0 and token_group & (token_group - 1) == 0:
         return 2
     return 0
+
+
+def folds(config: LaunchConfig, packed: PackedKV, q_dtype: torch.dtype) -> bool:
+    """int8 / fp8 scales go on scores and probabilities, except for fp32 queries over a
+    half-precision entry: there the products are fp32 and must see the dequantized values
+    rounded to the entry dtype, as materialize stores them."""
+    if not config.fold or packed.fmt not in (FMT_INT8, FMT_FP8):
+        return False
+    return q_dtype == packed.dtype or packed.dtype == torch.float32
 
 
 def _pow2(n: int) -> int:
@@ -118,11 +132,13 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
     num_rows, num_q_heads, head_dim = q.shape
     ke, ve, e_cap = _extras(k_extra, v_extra, packed, ext_add)
     longest = max((packed.main_len[e] for e in rows.entries), default=0)
-    splits = config.num_splits or choose_splits(num_rows * packed.num_kv_heads, longest, config.block_n, q.device)
+    splits = config.num_splits or choose_splits(num_rows * packed.num_kv_heads, longest, config.block_n, q.device,
+                                                config.waves)
     splits = _pow2(splits)
     rnd, dot = dot_modes(q.dtype, packed.dtype)
     m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
     k = packed.k
+    kmode = key_scale_mode(packed.token_group, config.block_n)
     td._decode_split_kernel[(num_rows, packed.num_kv_heads, splits)](
         q, rows.meta, k, packed.v,
         _or(packed.k_scale, k), _or(packed.k_zero, k), _or(packed.v_scale, k), _or(packed.v_zero, k),
@@ -131,8 +147,9 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, splits,
         GROUP=group, GP=max(16, _pow2(group)), D=head_dim, BN=config.block_n,
         FMT=packed.fmt, BITS=packed.bits, QGROUP=packed.token_group, CGROUP=packed.channel_group,
-        KMODE=key_scale_mode(packed.token_group, config.block_n),
+        KMODE=kmode if kmode != 2 or config.unpack == 0 else 0,
         HEAD_SCALE=packed.head_scale, INDEXED=packed.indices is not None, ROUND=rnd, DOT=dot,
+        FOLD=folds(config, packed, q.dtype), UNPACK=config.unpack,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return _combine(m, l, acc, q.dtype, return_lse)
@@ -173,7 +190,8 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
         selection = select_pages(scores, max((packed.pages_read[e] for e in rows.entries), default=1))
     ke, ve, e_cap = _extras(k_extra, v_extra, packed, ext_add)
     longest = max((packed.pages_read[e] for e in rows.entries), default=0) * packed.page_size
-    splits = _pow2(config.num_splits or choose_splits(num_rows * num_q_heads, longest, config.block_n, q.device))
+    splits = _pow2(config.num_splits or choose_splits(num_rows * num_q_heads, longest, config.block_n, q.device,
+                                                      config.waves))
     rnd, _ = dot_modes(q.dtype, packed.dtype)
     m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
     tq._quest_split_kernel[(num_rows, num_q_heads, splits)](
@@ -181,6 +199,7 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
         scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, selection.shape[2],
         packed.page_size, splits,
         GROUP=group, D=head_dim, BN=config.block_n, ROUND=rnd, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return _combine(m, l, acc, q.dtype, return_lse)
 

@@ -75,6 +75,18 @@ def _softmax_step(m_i, l_i, acc, s, v, DOT: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, DOT: tl.constexpr):
+    """_softmax_step over values v_scale[n] * v[n]: the per-token scale goes on the
+    probabilities ([GP, BN] products) instead of the values ([BN, D])."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mm(_dot_in(p * v_scale[None, :], DOT), v, DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _unpack_codes(b, BITS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     """b [BN, D*BITS/8] int32 packed bytes (low bits first) -> [BN, D] codes in channel order."""
     if BITS == 4:
@@ -88,12 +100,52 @@ def _unpack_codes(b, BITS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _gather_codes(data_ptr, tok, h, H, valid, BITS: tl.constexpr, D: tl.constexpr):
+    """[BN, D] KIVI codes read in channel order without join / reshape: channel c lies at
+    bits (c % (8 // BITS)) * BITS of byte c // (8 // BITS) (each byte is read by every
+    channel it holds; those reads hit the same cache line)."""
+    d = tl.arange(0, D)
+    b = tl.load(data_ptr + ((tok * H + h) * (D * BITS // 8))[:, None] + (d // (8 // BITS))[None, :],
+                mask=valid[:, None], other=0)
+    return (b.to(tl.int32) >> ((d % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _gather_value_scales(s_ptr, z_ptr, tok, h, H, valid, CGROUP: tl.constexpr, D: tl.constexpr):
+    """Per-token value scales and zeros broadcast to [BN, D] by gathering (no reshape)."""
+    d = tl.arange(0, D)
+    off = ((tok * H + h) * (D // CGROUP))[:, None] + (d // CGROUP)[None, :]
+    scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
 def _fp8_e4m3_to_f32(b):
     """uint8 e4m3fn bit patterns -> fp32, exactly: the 7 magnitude bits shifted into an fp16
     land on the same value times 2^-8 (normals and subnormals alike)."""
     b = b.to(tl.int32)
     bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _load_codes(data_ptr, tok, h, H, valid, FMT: tl.constexpr, D: tl.constexpr):
+    """int8 or fp8 codes of rows tok as exact fp32 values (no scale applied)."""
+    raw = _load_dense(data_ptr, tok, h, H, valid, D)
+    if FMT == 2:
+        return raw.to(tl.float32)
+    else:
+        return _fp8_e4m3_to_f32(raw)
+
+
+@triton.jit
+def _token_scales(s_ptr, tok, entry, h, H, valid, HEAD_SCALE: tl.constexpr, BN: tl.constexpr):
+    """[BN] fp32 scales of int8 / fp8 rows: one per token, or one per entry and head."""
+    if HEAD_SCALE:
+        return tl.zeros([BN], tl.float32) + tl.load(s_ptr + entry * H + h).to(tl.float32)
+    else:
+        return tl.load(s_ptr + tok * H + h, mask=valid, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -143,18 +195,26 @@ def _kivi_values(codes, s_ptr, z_ptr, tok, h, H, valid, CGROUP: tl.constexpr, BN
 @triton.jit
 def _load_main(data_ptr, s_ptr, z_ptr, tok, tok0, entry, h, H, valid,
                FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
-               HEAD_SCALE: tl.constexpr, IS_KEY: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+               HEAD_SCALE: tl.constexpr, IS_KEY: tl.constexpr, UNPACK: tl.constexpr, BN: tl.constexpr,
+               D: tl.constexpr):
     """[BN, D] fp32 (or stored dtype for dense) keys/values of the main segment; tok0 is the
-    block's first row (blocks start on multiples of BN within an entry)."""
+    block's first row (blocks start on multiples of BN within an entry). UNPACK (KIVI): 0
+    unpacks a row's bytes with join / reshape, 1 gathers each channel's byte (KMODE 0 or 1)."""
     if FMT == 0:
         x = _load_dense(data_ptr, tok, h, H, valid, D)
     elif FMT == 1:
-        j = tl.arange(0, D * BITS // 8)
-        b = tl.load(data_ptr + ((tok * H + h) * (D * BITS // 8))[:, None] + j[None, :], mask=valid[:, None],
-                    other=0)
-        codes = _unpack_codes(b.to(tl.int32), BITS, BN, D).to(tl.float32)
+        if UNPACK == 1:
+            codes = _gather_codes(data_ptr, tok, h, H, valid, BITS, D).to(tl.float32)
+        else:
+            j = tl.arange(0, D * BITS // 8)
+            b = tl.load(data_ptr + ((tok * H + h) * (D * BITS // 8))[:, None] + j[None, :], mask=valid[:, None],
+                        other=0)
+            codes = _unpack_codes(b.to(tl.int32), BITS, BN, D).to(tl.float32)
         if IS_KEY:
             x = _kivi_keys(codes, s_ptr, z_ptr, tok, tok0, h, H, valid, QGROUP, KMODE, BN, D)
+        elif UNPACK == 1:
+            scale, zero = _gather_value_scales(s_ptr, z_ptr, tok, h, H, valid, CGROUP, D)
+            x = codes * scale + zero
         else:
             x = _kivi_values(codes, s_ptr, z_ptr, tok, h, H, valid, CGROUP, BN, D)
     else:
@@ -200,6 +260,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
     FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
     HEAD_SCALE: tl.constexpr, INDEXED: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
+    FOLD: tl.constexpr, UNPACK: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -227,15 +288,24 @@ def _decode_split_kernel(
         tok = tok0 + tl.arange(0, BN).to(tl.int64)
         if INDEXED:
             tok = tl.load(idx_ptr + tok, mask=valid, other=0).to(tl.int64)
-        k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,
-                       FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, BN, D)
-        k = _dot_in(_round_to(k, ROUND), DOT)
-        s = _mm(q, tl.trans(k), DOT) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
-                       FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, BN, D)
-        v = _dot_in(_round_to(v, ROUND), DOT)
-        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, DOT)
+        if FOLD:  # int8 / fp8: exact codes in the products, the token scales on scores and probabilities
+            k = _dot_in(_load_codes(k_ptr, tok, h, H, valid, FMT, D), DOT)
+            k_scale = _token_scales(ks_ptr, tok, entry, h, H, valid, HEAD_SCALE, BN)
+            s = _mm(q, tl.trans(k), DOT) * (k_scale * qk_scale)[None, :]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            v = _dot_in(_load_codes(v_ptr, tok, h, H, valid, FMT, D), DOT)
+            v_scale = _token_scales(vs_ptr, tok, entry, h, H, valid, HEAD_SCALE, BN)
+            m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, DOT)
+        else:
+            k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,
+                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, UNPACK, BN, D)
+            k = _dot_in(_round_to(k, ROUND), DOT)
+            s = _mm(q, tl.trans(k), DOT) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
+                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, UNPACK, BN, D)
+            v = _dot_in(_round_to(v, ROUND), DOT)
+            m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, DOT)
 
     last = split == NUM_SPLITS - 1  # the short segments go to the split with the least main work
     rec_len = tl.where(last, tl.load(meta + 3), 0)
