@@ -266,8 +266,7 @@ def _method_case(method, options, shape: Shape, splits, family=None, interpret=T
 def _launch_variants() -> list[Case]:
     """The launch options off their defaults: KIVI codes gathered per channel (unpack=1),
     int8 / fp8 dequantized per element (fold=False); and, compiled only, the KIVI shapes
-    with half-precision entries at every block size (the first H200 run failed these at
-    block_n=16 with join / reshape unpacking)."""
+    with half-precision entries that Triton got wrong at block_n 16 (asked for 16, run at 32)."""
     f32, b16, f16 = torch.float32, torch.bfloat16, torch.float16
     cases = [
         _method_case("kivi4", KIVI, Shape((37, 70, 5)), 2, unpack=1),  # group 8: key scales per token
@@ -285,7 +284,10 @@ def _launch_variants() -> list[Case]:
         ("kivi2", {"group_size": 8, "residual_length": 0}, Shape((1, 112, 84), group=8, kv_heads=1, dtype=b16), 1),
         ("kivi2", {"group_size": 16, "residual_length": 16}, Shape((98, 97, 95), group=1, head_dim=128, dtype=f16), 4),
     ]
-    for unpack, block_n in ((0, 32), (0, 64), (1, 16), (1, 32), (1, 64)):
+    # the first H200 run failed all six with join / reshape at block_n 16; the second passed
+    # them at 32 and 64 and, gathered, at 16, 32 and 64 (kernel_checks_1ced50f.log): the
+    # launcher now raises KIVI's half-precision block size to 32 on CUDA (ops.kivi_block_n)
+    for unpack, block_n in ((0, 16), (0, 32), (1, 16)):
         cases += [_method_case(*row, family="large", interpret=False, unpack=unpack, block_n=block_n)
                   for row in half_kivi]
     return cases

@@ -155,3 +155,35 @@ def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
     assert 1 < big["kivi4"]["read_ratio"] < big["kivi2"]["read_ratio"]  # window of 128 exact tokens at 256
     assert big["triton_paged"]["read_ratio"] < 1 and big["triton_paged"]["speedup_vs_full"] == 1.0
     assert result["targets"]["quantizers_at_70pct"] is None  # nothing at 32k x 8 measured
+
+
+def test_kivi_half_precision_blocks_are_raised_on_cuda_only():
+    """Compiled Triton unpacks KIVI codes wrongly at block_n 16 with fp16 / bf16 products (two
+    H200 runs, benchmark/results/gpu_h200/): the launcher raises the block to 32 there, and
+    only there."""
+    from types import SimpleNamespace
+
+    from sgl_vericache.kernels import ops
+    from sgl_vericache.kernels.packing import FMT_INT8, FMT_KIVI
+
+    kivi, int8 = SimpleNamespace(fmt=FMT_KIVI), SimpleNamespace(fmt=FMT_INT8)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    small = ops.LaunchConfig(block_n=16)
+    assert ops.kivi_block_n(small, kivi, 2, cuda) == 32
+    assert ops.kivi_block_n(small, kivi, 1, cuda) == 32
+    assert ops.kivi_block_n(small, kivi, 0, cuda) == 16  # fp32 products: right at 16
+    assert ops.kivi_block_n(small, kivi, 2, cpu) == 16  # the interpreter: right at 16
+    assert ops.kivi_block_n(small, int8, 2, cuda) == 16
+    assert ops.kivi_block_n(ops.LaunchConfig(block_n=16, unpack=1), kivi, 2, cuda) == 16
+    assert ops.kivi_block_n(ops.LaunchConfig(block_n=128), kivi, 2, cuda) == 128
+
+
+
+def test_unset_launch_sizes_come_from_the_measured_table():
+    from sgl_vericache.kernels import ops
+    from sgl_vericache.kernels.packing import FMT_INT8, FMT_KIVI
+
+    got = ops.launch_for(ops.LaunchConfig(), FMT_KIVI)
+    assert (got.block_n, got.num_warps, got.num_stages) == ops.MEASURED_LAUNCH[FMT_KIVI]
+    got = ops.launch_for(ops.LaunchConfig(block_n=16, num_stages=1), FMT_INT8)
+    assert (got.block_n, got.num_warps, got.num_stages) == (16, ops.MEASURED_LAUNCH[FMT_INT8][1], 1)

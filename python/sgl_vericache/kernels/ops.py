@@ -13,6 +13,7 @@ rounded to that dtype before P @ V, as FlashAttention does).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -23,7 +24,7 @@ import torch
 
 from . import triton_decode as td
 from . import triton_quest as tq
-from .packing import FMT_FP8, FMT_INT8, META_COLS, PackedKV, RowTable
+from .packing import FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI, META_COLS, PackedKV, RowTable
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_SPLITS = 64
@@ -42,14 +43,30 @@ class LaunchConfig:
     """Tunables (None: chosen per call). Tests pin them to reach every code path."""
 
     num_splits: Optional[int] = None  # rounded up to a power of two
-    block_n: int = DEFAULT_BLOCK_N
-    num_warps: int = 4
-    num_stages: int = 2
+    block_n: Optional[int] = None  # None: the format's entry in MEASURED_LAUNCH
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
     # int8 / fp8: multiply the exact codes and put the token scales on the scores and the
     # probabilities ([BN] products a block) instead of dequantizing every element
     fold: bool = True
-    unpack: int = 0  # KIVI codes: 0 join / reshape a row's bytes, 1 gather each channel's byte
+    # KIVI codes: 0 join / reshape a row's bytes; 1 gathers each channel's byte: right at every
+    # block size but 10-20x slower on an H200 (one byte load per channel), kept as the fallback
+    unpack: int = 0
     waves: int = 2  # num_splits=None: enough splits for this many waves of programs over the SMs
+
+
+# (block_n, num_warps, num_stages) per format, the fastest bench_kernels.py found on an H200
+# at 32k x 8 for both Llama-3-8B and Llama-70B/TP8 heads (benchmark/results/gpu_h200/:
+# edf012c for dense and Quest, 1ced50f for the quantizers)
+MEASURED_LAUNCH = {FMT_DENSE: (32, 4, 2), FMT_KIVI: (64, 4, 3), FMT_INT8: (32, 4, 3), FMT_FP8: (32, 4, 2),
+                   "quest": (64, 4, 2)}
+
+
+def launch_for(config: LaunchConfig, fmt) -> LaunchConfig:
+    """``config`` with its unset sizes taken from MEASURED_LAUNCH[fmt]."""
+    block_n, warps, stages = MEASURED_LAUNCH.get(fmt, (DEFAULT_BLOCK_N, 4, 2))
+    return dataclasses.replace(config, block_n=config.block_n or block_n, num_warps=config.num_warps or warps,
+                               num_stages=config.num_stages or stages)
 
 
 def dot_modes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[int, int]:
@@ -85,6 +102,21 @@ def key_scale_mode(token_group: int, block_n: int) -> int:
     if block_n % token_group == 0 and token_group & (token_group - 1) == 0:
         return 2
     return 0
+
+
+KIVI_MIN_HALF_BLOCK_N = 32
+
+
+def kivi_block_n(config: LaunchConfig, packed: PackedKV, dot: int, device: torch.device) -> int:
+    """The block size a KIVI launch really uses. Compiled Triton (3.6, H200) gets the join /
+    reshape unpacking wrong at block_n 16 when the products run in fp16 / bf16 (errors of
+    1.4-4 on six shapes that pass at 32 and 64, and with unpack=1 at every size:
+    benchmark/results/gpu_h200/kernel_checks_1ced50f.log), so there it is raised to 32.
+    The interpreter computes it right and keeps the size asked for."""
+    if (packed.fmt == FMT_KIVI and dot != 0 and config.unpack == 0 and device.type == "cuda"
+            and config.block_n < KIVI_MIN_HALF_BLOCK_N):
+        return KIVI_MIN_HALF_BLOCK_N
+    return config.block_n
 
 
 def folds(config: LaunchConfig, packed: PackedKV, q_dtype: torch.dtype) -> bool:
@@ -128,6 +160,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
     if packed.page_size:
         return quest_decode(packed, q, scale, rows, k_extra, v_extra, ext_add, config, return_lse)
     group = _check(packed, q, rows)
+    config = launch_for(config, packed.fmt)
     q = q.contiguous()
     num_rows, num_q_heads, head_dim = q.shape
     ke, ve, e_cap = _extras(k_extra, v_extra, packed, ext_add)
@@ -138,14 +171,15 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
     rnd, dot = dot_modes(q.dtype, packed.dtype)
     m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
     k = packed.k
-    kmode = key_scale_mode(packed.token_group, config.block_n)
+    block_n = kivi_block_n(config, packed, dot, q.device)
+    kmode = key_scale_mode(packed.token_group, block_n)
     td._decode_split_kernel[(num_rows, packed.num_kv_heads, splits)](
         q, rows.meta, k, packed.v,
         _or(packed.k_scale, k), _or(packed.k_zero, k), _or(packed.v_scale, k), _or(packed.v_zero, k),
         _or(packed.k_recent, ke), _or(packed.v_recent, ve), ke, ve, _or(packed.indices, rows.meta),
         m, l, acc,
         scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, splits,
-        GROUP=group, GP=max(16, _pow2(group)), D=head_dim, BN=config.block_n,
+        GROUP=group, GP=max(16, _pow2(group)), D=head_dim, BN=block_n,
         FMT=packed.fmt, BITS=packed.bits, QGROUP=packed.token_group, CGROUP=packed.channel_group,
         KMODE=kmode if kmode != 2 or config.unpack == 0 else 0,
         HEAD_SCALE=packed.head_scale, INDEXED=packed.indices is not None, ROUND=rnd, DOT=dot,
@@ -183,6 +217,7 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
     """Quest: score every page of each row's entry, keep each head's top pages_read pages,
     attend over those pages (+ extras). ``selection`` [R, H_q, K] skips the scoring."""
     group = _check(packed, q, rows)
+    config = launch_for(config, "quest")
     q = q.contiguous()
     num_rows, num_q_heads, head_dim = q.shape
     if selection is None:
