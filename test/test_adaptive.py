@@ -89,6 +89,19 @@ def test_expected_tokens_and_acceptance_estimates():
     assert acc.alpha == pytest.approx(0.9, abs=0.02)
 
 
+def test_a_compressor_prior_is_not_swung_by_a_few_rejected_drafts():
+    """A request's own estimate drops within a round or two when its drafts fail (the fast
+    estimate); the prior that every request of a compressor teaches, which prices it for the
+    next auto choice, does not follow two rejected one-draft rounds (it fell to 0.46)."""
+    ctl = Controller(max_draft_len=16)
+    row = Row("r", 2000, 500, "streamingllm")
+    for _ in range(20):
+        ctl.observe_round([row], 1, 0.1, 0.2, [1], [1])
+    for _ in range(2):
+        ctl.observe_round([row], 1, 0.1, 0.2, [1], [0])
+    assert ctl.alpha("r", "streamingllm") < 0.6 and ctl._prior("streamingllm").alpha > 0.8
+
+
 def test_rejected_drafts_mean_plain_decoding():
     ctl, world = Controller(max_draft_len=16), World(_rows(4, 2000), alpha=lambda r: 0.1)
     decisions = [world.step(ctl).draft_len for _ in range(300)]

@@ -92,8 +92,10 @@ class Acceptance:
 
     FAST_DECAY, FAST_DROP = 0.5, 0.12
 
-    def __init__(self, prior: float, decay: float = 0.9):
-        self.prior, self.decay = prior, decay
+    def __init__(self, prior: float, decay: float = 0.9, fast: bool = True):
+        """``fast=False``: the slow estimate only (a compressor's prior, which every request
+        teaches in turn: one request's rejected round says little about the next request's)."""
+        self.prior, self.decay, self.use_fast = prior, decay, fast
         self.slow = [0.0, 0.0]  # decayed (accepted, rejected)
         self.fast = [0.0, 0.0]
         self.rounds = 0
@@ -105,7 +107,7 @@ class Acceptance:
     @property
     def alpha(self) -> float:
         slow, fast = self._estimate(self.slow, PRIOR_WEIGHT), self._estimate(self.fast, 1.0)
-        return fast if fast < slow - self.FAST_DROP else slow
+        return fast if self.use_fast and fast < slow - self.FAST_DROP else slow
 
     def observe(self, accepted: int, drafted: int) -> None:
         if drafted <= 0:
@@ -199,7 +201,7 @@ class Controller:
 
     def _prior(self, compressor: str) -> Acceptance:
         if compressor not in self.priors:
-            self.priors[compressor] = Acceptance(PRIOR_ACCEPTANCE.get(compressor, DEFAULT_PRIOR), decay=0.98)
+            self.priors[compressor] = Acceptance(PRIOR_ACCEPTANCE.get(compressor, DEFAULT_PRIOR), decay=0.98, fast=False)
         return self.priors[compressor]
 
     def alpha(self, rid, compressor: str) -> float:
