@@ -223,7 +223,7 @@ def test_auto_compressor_by_context(context, expected):
     """On this CPU a quantizer drafts over a dense copy (no fewer bytes than the full KV) but
     agrees more; a dropper reads a quarter: it wins once the KV dominates the step."""
     ctl = Controller(max_draft_len=16)
-    assert ctl.choose_compressor([("streamingllm", 0.25), ("kivi4", 1.0)], context) == expected
+    assert ctl.choose_compressor([("streamingllm", 0.25), ("kivi4", 1.0)], context, rows=4) == expected
 
 
 def test_auto_compressor_is_rechosen_when_measured_acceptance_says_so():
@@ -234,3 +234,133 @@ def test_auto_compressor_is_rechosen_when_measured_acceptance_says_so():
     for _ in range(20):  # this request's drafts from streamingllm keep failing early
         ctl.observe_round([row], 8, 0.5, 0.2, [8], [0])
     assert ctl.choose_compressor(cands, 8000, "r", current="streamingllm", margin=0.15) == "kivi4"
+
+
+# -- --vericache-compressor auto over whole requests ------------------------------------------------
+
+CANDIDATES = [("streamingllm", 0.25), ("kivi4", 1.0)]  # as the Planner reports them: a quantizer reads a dense copy
+
+
+class Fleet:
+    """Requests under ``--vericache-compressor auto`` as the Planner runs them: each new one
+    drafts from ``choose_compressor``'s pick (``rows``: the requests arriving with it), and
+    after four rounds of its own moves to the other candidate when that is predicted 15%
+    faster (at most twice). True costs: a plain step as ``World``'s; a draft step is that same
+    forward over the keys the drafts really read (``reads``: share of the full KV per
+    compressor; the dense buffers pad every row to the longest), times ``overhead``."""
+
+    def __init__(self, reads, alpha, overhead=0.8, seed=0):
+        self.reads, self.alpha, self.overhead = reads, alpha, overhead
+        self.rng = random.Random(seed)
+        self.n = 0
+        self.seconds = self.tokens = 0.0
+        self.chosen = Counter()  # first choices of new requests
+
+    @staticmethod
+    def plain_seconds(rows):
+        return 0.07 + 0.012 * len(rows) + 1.2e-5 * sum(r.full_kv for r in rows)
+
+    def draft_seconds(self, rows):
+        longest = max(r.full_kv * self.reads[r.compressor] for r in rows)
+        return self.overhead * (0.07 + 0.012 * len(rows) + 1.2e-5 * len(rows) * longest)
+
+    @staticmethod
+    def verify_seconds(rows, width):
+        kv = sum(r.full_kv for r in rows)
+        return 0.075 + 0.005 * len(rows) * width + 1.4e-5 * kv + 2e-7 * kv * width
+
+    def run(self, ctl, requests, context, new_tokens, fixed=None):
+        """``requests`` requests of ``context`` tokens at once, until each has ``new_tokens``;
+        ``fixed`` = (compressor, draft length) runs them so instead. Returns tokens per second."""
+        rows, made, switches = [], {}, {}
+        for _ in range(requests):
+            self.n += 1
+            rid = f"q{self.n}"
+            name = fixed[0] if fixed else ctl.choose_compressor(CANDIDATES, context, rid, rows=requests)
+            self.chosen[name] += not fixed
+            rows.append(Row(rid, context, int(context * dict(CANDIDATES)[name]), name,
+                            draft_len=fixed[1] if fixed else None))
+            made[rid], switches[rid] = 0, 0
+        seconds = tokens = 0.0
+        while rows:
+            d = fixed[1] if fixed else ctl.decide(rows).draft_len
+            if d == 0:
+                t = self.plain_seconds(rows)
+                ctl.observe_plain(rows, t)
+                gained = {r.rid: 1 for r in rows}
+            else:
+                accepted = []
+                for r in rows:
+                    k = 0
+                    while k < d and self.rng.random() < self.alpha[r.compressor]:
+                        k += 1
+                    accepted.append(k)
+                draft_t, verify_t = d * self.draft_seconds(rows), self.verify_seconds(rows, d + 1)
+                ctl.observe_round(rows, d, draft_t, verify_t, [d] * len(rows), accepted)
+                t = draft_t + verify_t
+                gained = {r.rid: k + 1 for r, k in zip(rows, accepted)}
+                for i, r in enumerate(rows):
+                    if fixed or switches[r.rid] >= 2 or not ctl.has_evidence(r.rid):
+                        continue
+                    name = ctl.choose_compressor(CANDIDATES, r.full_kv, r.rid, current=r.compressor,
+                                                 margin=0.15, rows=len(rows))
+                    if name != r.compressor:
+                        rows[i] = Row(r.rid, r.full_kv, int(r.full_kv * dict(CANDIDATES)[name]), name)
+                        switches[r.rid] += 1
+                        ctl.forget(r.rid)
+            seconds += t
+            for r in rows:
+                made[r.rid] += gained[r.rid]
+                tokens += gained[r.rid]
+            done = [r for r in rows if made[r.rid] >= new_tokens]
+            for r in done:
+                ctl.forget(r.rid)
+            rows = [r for r in rows if made[r.rid] < new_tokens]
+            for r in rows:
+                r.full_kv += gained[r.rid]
+        self.seconds += seconds
+        self.tokens += tokens
+        return tokens / seconds
+
+
+CPU_READS = {"streamingllm": 0.25, "kivi4": 1.0}  # the CPU path: a quantizer's draft reads a dense copy
+TRUE_ALPHA = {"streamingllm": 0.9, "kivi4": 0.96}  # the quantizer agrees more
+
+
+def _warm(ctl, fleet):
+    """A serving phase first (8 x 400 tokens), as bench_adaptive's W1 runs before W3: the
+    draft costs are learned where the KV hardly matters."""
+    for _ in range(3):
+        fleet.run(ctl, 8, 400, 32)
+
+
+def test_auto_prices_a_quantizer_draft_by_the_kv_it_reads():
+    """4 x 4k after a short-context phase, quantizer drafts as dear as plain steps over the full
+    KV and a dropper's over a quarter: auto must draft from the dropper although the
+    quantizer's prior acceptance is higher (a draft-cost fit of its own, [1, rows, draft KV],
+    learned no KV term at 400 tokens and priced kivi4 reading 16k like streamingllm reading 4k),
+    and come within 10% of the best fixed setting."""
+    ctl, fleet = Controller(max_draft_len=16), Fleet(CPU_READS, TRUE_ALPHA)
+    _warm(ctl, fleet)
+    fleet.chosen.clear()
+    rates = [fleet.run(ctl, 4, 4000, 48) for _ in range(3)]
+    assert fleet.chosen["streamingllm"] >= 11 and fleet.chosen["kivi4"] <= 1, fleet.chosen
+    best = max(Fleet(CPU_READS, TRUE_ALPHA, seed=1).run(Controller(16), 4, 4000, 48, fixed=(c, d))
+               for c in CPU_READS for d in (8, 16))
+    assert sum(rates[1:]) / 2 >= 0.9 * best, (rates, best)
+
+
+def test_auto_keeps_the_quantizer_where_it_pays():
+    """Drafts cheap against a plain step (half-precision draft weights at small batches),
+    short contexts where the KV is a small part of a step, and a dropper that agrees less
+    (a quarter of a short prompt): the quantizer's drafts cost about what the dropper's do,
+    its rounds run 17-25% faster, and auto keeps choosing it, also after a long-context
+    phase."""
+    alpha = {"streamingllm": 0.8, "kivi4": 0.96}
+    ctl, fleet = Controller(max_draft_len=16), Fleet(CPU_READS, alpha, overhead=0.4)
+    for requests, context in ((1, 500), (4, 4000), (2, 1200), (1, 800)):
+        fleet.chosen.clear()
+        for _ in range(3):
+            fleet.run(ctl, requests, context, 48)
+        if context < 4000:
+            assert fleet.chosen["kivi4"] >= 3 * requests - 1, (requests, context, fleet.chosen)

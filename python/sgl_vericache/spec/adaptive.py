@@ -40,13 +40,15 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations (drafts) behind a prior
 class OnlineLinear:
     """``seconds ~ w . x``, fitted by recursive least squares with forgetting factor
     ``forget`` (older samples weigh ``forget^age``), from ``prior`` weights held with
-    confidence ``1 / prior_var``."""
+    confidence ``1 / prior_var``. ``max_var`` bounds a weight's variance: forgetting makes the
+    variance of a weight whose feature stays 0 grow without end otherwise."""
 
-    def __init__(self, prior: Sequence[float], forget: float = 0.97, prior_var: float = 1.0):
+    def __init__(self, prior: Sequence[float], forget: float = 0.97, prior_var: float = 1.0,
+                 max_var: Optional[float] = None):
         self.w = [float(v) for v in prior]
         n = len(self.w)
         self.p = [[prior_var if i == j else 0.0 for j in range(n)] for i in range(n)]
-        self.forget = forget
+        self.forget, self.max_var = forget, max_var
         self.samples = 0
         self.seen = [0.0] * n  # the largest value of each feature observed
 
@@ -68,6 +70,9 @@ class OnlineLinear:
         self.w = [w + g * error for w, g in zip(self.w, gain)]
         self.seen = [max(a, b) for a, b in zip(self.seen, x)]
         self.p = [[(self.p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        if self.max_var is not None:
+            scale = [min(1.0, math.sqrt(self.max_var / self.p[i][i])) if self.p[i][i] > 0 else 1.0 for i in range(n)]
+            self.p = [[self.p[i][j] * scale[i] * scale[j] for j in range(n)] for i in range(n)]
         self.samples += 1
 
 
@@ -139,25 +144,114 @@ class Decision:
     probe: bool = False  # chosen to measure, not because it was predicted best
 
 
+class DraftCost:
+    """Seconds of one draft step of a batch. A draft step is the target model's own decode
+    forward whose attention reads each row's compressed entry instead of its full KV, so it is
+    priced from the plain-step model at the KV the drafts read: its part without KV (weights,
+    ``plain.predict([1, rows, 0])``) times a factor shared by every draft (half-precision draft
+    weights, the round's bookkeeping), plus its KV part (``plain.predict([1, rows, draft KV])``
+    less that) times a factor per compressor (how fast that compressor's draft path reads a key
+    against plain decoding's attention: a dense copy, dequantization, a kernel).
+
+    The KV dependence thus comes from the plain-step fit, which can learn it: plain steps are
+    measured at every context the server sees. A fit of its own on ``[1, rows, draft KV]``
+    could not: within a workload the draft KV hardly varies, so its KV term stayed at the
+    prior, and a quantizer draft reading a request's full 4k KV was priced like a dropper's
+    reading 1k (bench_adaptive's W3 then chose kivi4 and decoded plainly).
+
+    The factors are fitted by recursive least squares on each measured draft step, relative to
+    the plain step at the drafts' KV (features: the two parts' shares of it, the KV part split
+    by the rows' compressors; target: the measured step over it). A compressor no draft step
+    has measured yet takes the measured ones' mean KV factor. With ``padded`` (the dense draft
+    buffers of the CPU path) every row reads as many keys as the longest row of the batch."""
+
+    # both factors' prior: decode_medium.json's draft steps (streamingllm, kivi4; 2k x 1, 4k x 4)
+    # took 0.55-0.7 of a plain step
+    PRIOR = 0.7
+    FLOOR = 0.05
+
+    def __init__(self, plain: OnlineLinear, padded: bool = True):
+        self.plain, self.padded = plain, padded
+        self.index = {name: i + 1 for i, name in enumerate(PRIOR_ACCEPTANCE)}  # compressor -> its factor's slot
+        n = len(self.index) + 2  # [shared, per compressor..., any other compressor]
+        self.fit = OnlineLinear([self.PRIOR] * n, forget=0.95, prior_var=0.25, max_var=1.0)
+        self.measured = [0] * n  # draft steps measured per factor
+        self.samples = 0
+
+    def _slot(self, compressor: str) -> int:
+        return self.index.get(compressor, len(self.measured) - 1)
+
+    def _pooled(self) -> float:
+        """The KV factor of a compressor not measured yet: the measured ones' mean (the prior before any)."""
+        seen = [max(w, self.FLOOR) for w, n in zip(self.fit.w[1:], self.measured[1:]) if n]
+        return sum(seen) / len(seen) if seen else self.PRIOR
+
+    def factor(self, compressor: str) -> float:
+        i = self._slot(compressor)
+        return max(self.fit.w[i], self.FLOOR) if self.measured[i] else self._pooled()
+
+    def base_x(self, rows: Sequence[Row]) -> list:
+        """The plain-step features of the KV the drafts read (thousands of tokens)."""
+        kv = len(rows) * max(r.draft_kv for r in rows) if self.padded else sum(r.draft_kv for r in rows)
+        return [1.0, float(len(rows)), kv / 1000]
+
+    def features(self, rows: Sequence[Row]) -> tuple[float, list]:
+        """Seconds of a plain step at the drafts' KV, and its parts' shares: [without KV, the
+        KV part x each slot's share of the rows]."""
+        x = self.base_x(rows)
+        base = self.plain.predict(x)
+        fixed = min(self.plain.predict([x[0], x[1], 0.0]), base)
+        out = [fixed / base if base > 0 else 1.0] + [0.0] * (len(self.measured) - 1)
+        for r in rows:
+            out[self._slot(r.compressor)] += (1.0 - out[0]) / len(rows)
+        return base, out
+
+    def _weights(self) -> list:
+        pooled = self._pooled()
+        return [max(w, self.FLOOR) if n or i == 0 else pooled
+                for i, (w, n) in enumerate(zip(self.fit.w, self.measured))]
+
+    def predict(self, rows: Sequence[Row]) -> float:
+        if not rows:
+            return 0.0
+        base, x = self.features(rows)
+        return base * sum(w * v for w, v in zip(self._weights(), x))
+
+    def observe(self, rows: Sequence[Row], seconds: float) -> None:
+        """One draft step of ``rows`` took ``seconds``."""
+        if not rows:
+            return
+        base, x = self.features(rows)
+        if not (base > 0 and seconds > 0 and math.isfinite(seconds)):
+            return
+        pooled = self._pooled()
+        for i, v in enumerate(x):
+            if v and i and not self.measured[i]:
+                self.fit.w[i] = pooled  # a compressor's first measurement starts from the others' factor
+        self.fit.observe(x, seconds / base)
+        self.measured = [n + (v > 0) for n, v in zip(self.measured, x)]
+        self.samples += 1
+
+
 @dataclass
 class Costs:
-    """The three step-cost models. Features (KV in thousands of tokens, summed over rows):
-    plain ``[1, rows, full_kv]``; draft step ``[1, rows, draft_kv]``; verify ``[1, rows *
-    width, full_kv, full_kv * width]``. Priors: SmolLM2-135M fp32 on a 2-core CPU (62 ms a
-    decode step at batch 1 plus ~11 ms per 1000 tokens of context per request); the first
-    measurements replace them."""
+    """The step-cost models. Features (KV in thousands of tokens, summed over rows): plain
+    ``[1, rows, full_kv]``; verify ``[1, rows * width, full_kv, full_kv * width]``; a draft
+    step is the plain model at the KV the drafts read, times a learned factor per compressor
+    (``DraftCost``). Priors: SmolLM2-135M fp32 on a 2-core CPU (62 ms a decode step at batch 1
+    plus ~11 ms per 1000 tokens of context per request); the first measurements replace them."""
 
     plain: OnlineLinear = field(default_factory=lambda: OnlineLinear([0.05, 0.015, 0.011]))
-    draft: OnlineLinear = field(default_factory=lambda: OnlineLinear([0.05, 0.012, 0.006]))
     verify: OnlineLinear = field(default_factory=lambda: OnlineLinear([0.06, 0.004, 0.013, 0.0003]))
+    draft: DraftCost = None
+
+    def __post_init__(self):
+        if self.draft is None:
+            self.draft = DraftCost(self.plain)
 
     @staticmethod
     def plain_x(rows: Sequence[Row]) -> list:
         return [1.0, float(len(rows)), sum(r.full_kv for r in rows) / 1000]
-
-    @staticmethod
-    def draft_x(rows: Sequence[Row]) -> list:
-        return [1.0, float(len(rows)), sum(r.draft_kv for r in rows) / 1000]
 
     @staticmethod
     def verify_x(rows: Sequence[Row], width: int) -> list:
@@ -166,8 +260,7 @@ class Costs:
 
     def round_seconds(self, rows: Sequence[Row], draft_len: int) -> float:
         drafting = [r for r in rows if not r.queued]
-        steps = draft_len * (self.draft.predict(self.draft_x(drafting)) if drafting else 0.0)
-        return steps + self.verify.predict(self.verify_x(rows, draft_len + 1))
+        return draft_len * self.draft.predict(drafting) + self.verify.predict(self.verify_x(rows, draft_len + 1))
 
 
 class Controller:
@@ -305,7 +398,7 @@ class Controller:
         verify accepted ``accepted[i]`` (a deferred row: 0 drafted)."""
         drafting = [r for r in rows if not r.queued]
         if steps and drafting and draft_seconds > 0:
-            self.costs.draft.observe(self.costs.draft_x(drafting), draft_seconds / steps)
+            self.costs.draft.observe(drafting, draft_seconds / steps)
         self.costs.verify.observe(self.costs.verify_x(rows, steps + 1), verify_seconds)
         gained = 0.0
         for row, d, k in zip(rows, drafted, accepted):
@@ -322,18 +415,15 @@ class Controller:
     # -- compressor choice (--vericache-compressor auto) ------------------------------
 
     def choose_compressor(self, candidates: Sequence[tuple[str, float]], context: int,
-                          rid=None, current: Optional[str] = None, margin: float = 0.0) -> str:
+                          rid=None, current: Optional[str] = None, margin: float = 0.0, rows: int = 1) -> str:
         """The candidate (name, fraction of the full KV a draft step reads) with the most
-        expected tokens per second for one request of ``context`` tokens; with ``current``,
-        another wins only by ``margin``."""
+        expected tokens per second for a request of ``context`` tokens drafting in a batch of
+        ``rows`` such requests; with ``current``, another wins only by ``margin``."""
         def rate(name, fraction):
             alpha = self.alpha(rid, name) if name == current else self._prior(name).alpha
-            row = Row(rid, context, int(context * fraction), name)
-            best = 0.0
-            for d in self.candidate_lens():
-                row_alpha_tokens = expected_tokens(alpha, d)
-                best = max(best, row_alpha_tokens / max(self.costs.round_seconds([row], d), 1e-9))
-            return best
+            batch = [Row(rid, context, int(context * fraction), name)] * max(1, rows)
+            return max(expected_tokens(alpha, d) * len(batch) / max(self.costs.round_seconds(batch, d), 1e-9)
+                       for d in self.candidate_lens())
 
         rates = {name: rate(name, fraction) for name, fraction in candidates}
         best = max(rates, key=rates.get)

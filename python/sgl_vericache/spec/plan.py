@@ -61,12 +61,14 @@ class Planner:
 
     # -- per request -----------------------------------------------------------------
 
-    def plan(self, req) -> Plan:
-        """The request's compressor and draft length; a bad override aborts it with a 400."""
+    def plan(self, req, rows: Optional[int] = None) -> Plan:
+        """The request's compressor and draft length; a bad override aborts it with a 400.
+        ``rows``: the batch it is expected to draft in (for ``auto``; default: the last decode
+        iteration's, itself included)."""
         plan = self.plans.get(req.rid)
         if plan is None:
             try:
-                plan = self._new_plan(req)
+                plan = self._new_plan(req, rows or len(self.rows or ()) + 1)
                 self.stats.planned(plan.compressor.name)
             except ValueError as exc:  # a bad override: this request alone ends, with a 400
                 self.abort(req, str(exc))
@@ -79,12 +81,18 @@ class Planner:
             self.plans[req.rid] = plan
         return plan
 
-    def _new_plan(self, req) -> Plan:
+    def plan_arriving(self, reqs) -> list[Plan]:
+        """Plans of requests arriving together (a prefill batch): the new ones will draft
+        beside each other and the running batch."""
+        rows = len(reqs) + len(self.rows or ())
+        return [self.plan(req, rows) for req in reqs]
+
+    def _new_plan(self, req, rows: int) -> Plan:
         custom = req.sampling_params.custom_params
         cfg = request_config(custom, self.vc)
         name = cfg.compressor
         if name == AUTO:
-            name = self._choose(cfg, len(req.origin_input_ids))
+            name = self._choose(cfg, len(req.origin_input_ids), rows=rows)
         fixed = isinstance(custom, dict) and "vericache_draft_len" in custom
         return Plan(self._compressor(cfg, name), cfg.draft_len, fixed=fixed, auto=cfg.compressor == AUTO)
 
@@ -94,11 +102,11 @@ class Planner:
             self.compressors[key] = cfg.build_compressor(name)
         return self.compressors[key]
 
-    def _choose(self, cfg: VeriCacheConfig, context: int, rid=None, current=None) -> str:
+    def _choose(self, cfg: VeriCacheConfig, context: int, rid=None, current=None, rows: int = 1) -> str:
         if self.controller is None:
             return AUTO_CANDIDATES[0]
         candidates = [(name, draft_kv_fraction(self._compressor(cfg, name))) for name in AUTO_CANDIDATES]
-        return self.controller.choose_compressor(candidates, context, rid, current, margin=0.15)
+        return self.controller.choose_compressor(candidates, context, rid, current, margin=0.15, rows=rows)
 
     def forget(self, rid) -> None:
         self.plans.pop(rid, None)
@@ -119,9 +127,10 @@ class Planner:
         self.decision = self.rows = None
         if self.controller is None:
             return True
+        plans = [self.plan(r, len(reqs)) for r in reqs]
         self.rows = [Row(req.rid, n, int(n * draft_kv_fraction(plan.compressor)), plan.compressor.name,
                          plan.draft_len if plan.fixed else None, req.rid in queued)
-                     for req, n, plan in ((r, n, self.plan(r)) for r, n in zip(reqs, verified))]
+                     for req, n, plan in zip(reqs, verified, plans)]
         self.decision = self.controller.decide(self.rows, force=must_round)
         return self.decision.draft_len > 0
 
@@ -153,7 +162,7 @@ class Planner:
         if forced:
             name = AUTO_CANDIDATES[(AUTO_CANDIDATES.index(plan.compressor.name) + 1) % len(AUTO_CANDIDATES)]
         else:
-            name = self._choose(cfg, row.full_kv, req.rid, plan.compressor.name)
+            name = self._choose(cfg, row.full_kv, req.rid, plan.compressor.name, rows=len(self.rows))
         if name != plan.compressor.name:  # its next sync rebuilds its compressed entry
             self.plans[req.rid] = plan._replace(compressor=self._compressor(cfg, name), switches=plan.switches + 1)
             self.controller.forget(req.rid)  # its acceptance was the old compressor's

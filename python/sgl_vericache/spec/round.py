@@ -155,7 +155,7 @@ class Speculator:
 
     def needs_queries(self, reqs) -> bool:
         """Whether a prefill of ``reqs`` should keep its last prompt queries (SnapKV, H2O)."""
-        return any(self.plan(req).compressor.needs_queries for req in reqs)
+        return any(plan.compressor.needs_queries for plan in self.planner.plan_arriving(reqs))
 
     def release_departed(self, rids) -> None:
         for rid in rids:
