@@ -221,8 +221,10 @@ def test_plain_cost_is_remeasured_while_speculating():
 @pytest.mark.parametrize("context, expected", [(300, "kivi4"), (8000, "streamingllm")])
 def test_auto_compressor_by_context(context, expected):
     """On this CPU a quantizer drafts over a dense copy (no fewer bytes than the full KV) but
-    agrees more; a dropper reads a quarter: it wins once the KV dominates the step."""
+    agrees more; a dropper reads a quarter: it wins once the KV dominates the step (both
+    measured near this context, so that the choice is the prediction, not a trial)."""
     ctl = Controller(max_draft_len=16)
+    ctl.drafted_at = {"streamingllm": (context, context), "kivi4": (context, context)}
     assert ctl.choose_compressor([("streamingllm", 0.25), ("kivi4", 1.0)], context, rows=4) == expected
 
 
@@ -354,8 +356,8 @@ def test_auto_keeps_the_quantizer_where_it_pays():
     """Drafts cheap against a plain step (half-precision draft weights at small batches),
     short contexts where the KV is a small part of a step, and a dropper that agrees less
     (a quarter of a short prompt): the quantizer's drafts cost about what the dropper's do,
-    its rounds run 17-25% faster, and auto keeps choosing it, also after a long-context
-    phase."""
+    its rounds run 17-25% faster, and auto keeps choosing it (one trial of the other
+    aside), also after a long-context phase."""
     alpha = {"streamingllm": 0.8, "kivi4": 0.96}
     ctl, fleet = Controller(max_draft_len=16), Fleet(CPU_READS, alpha, overhead=0.4)
     for requests, context in ((1, 500), (4, 4000), (2, 1200), (1, 800)):
@@ -364,3 +366,24 @@ def test_auto_keeps_the_quantizer_where_it_pays():
             fleet.run(ctl, requests, context, 48)
         if context < 4000:
             assert fleet.chosen["kivi4"] >= 3 * requests - 1, (requests, context, fleet.chosen)
+
+
+def test_a_candidate_never_measured_near_a_context_is_tried_once():
+    """New requests at a context where only streamingllm was measured: one request (not all
+    of them) tries kivi4 while it is predicted within EXPLORE_WITHIN; once measured, or once
+    predicted far slower, it is not tried again; a request that left before drafting frees the trial."""
+    ctl = Controller(max_draft_len=16)
+    ctl.drafted_at = {"streamingllm": (2000, 2000)}
+    picks = [ctl.choose_compressor(CANDIDATES, 2000, f"r{i}", rows=4) for i in range(4)]
+    assert picks.count("kivi4") == 1, picks
+    ctl.forget(f"r{picks.index('kivi4')}")  # left before its first round
+    assert ctl.choose_compressor(CANDIDATES, 2000, "r4", rows=4) == "kivi4"
+    assert ctl.choose_compressor(CANDIDATES, 2000, "r5", rows=4) == "streamingllm"
+    ctl.iterations += Controller.EXPLORE_WAIT + 1  # r4 never drafted (it finished at its prefill)
+    assert ctl.choose_compressor(CANDIDATES, 2000, "r4", rows=4) == "kivi4"
+    ctl.observe_round([Row("r4", 2000, 2000, "kivi4")], 4, 4 * 0.3, 0.2, [4], [4])
+    assert ctl.measured_near("kivi4", 2000) and not ctl.exploring
+    assert [ctl.choose_compressor(CANDIDATES, 2000, f"s{i}", rows=4) for i in range(4)] == ["streamingllm"] * 4
+    ctl = Controller(max_draft_len=16)  # far slower by the plain model: 4 x 64k, kivi4 reading it all
+    ctl.drafted_at = {"streamingllm": (64000, 64000)}
+    assert [ctl.choose_compressor(CANDIDATES, 64000, f"r{i}", rows=4) for i in range(4)] == ["streamingllm"] * 4

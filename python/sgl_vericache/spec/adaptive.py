@@ -288,6 +288,8 @@ class Controller:
         self.iterations = 0
         self.probe_every = self.PROBE_EVERY
         self.plain_seen = (0, 0.0)  # the most rows and full KV (thousands) a measured plain step had
+        self.drafted_at = {}  # compressor -> (least, most) full KV of a row whose drafts a round measured
+        self.exploring = {}  # compressor -> (request trying it where it was not measured, iteration it was chosen)
         self.last = None  # the last Decision
 
     # -- acceptance ------------------------------------------------------------------
@@ -314,6 +316,8 @@ class Controller:
 
     def forget(self, rid) -> None:
         self.rows.pop(rid, None)
+        for name in [n for n, (who, _) in self.exploring.items() if who == rid]:
+            del self.exploring[name]  # it left before its drafts were measured: another may try
 
     # -- the decision ----------------------------------------------------------------
 
@@ -405,6 +409,10 @@ class Controller:
             self._row_acceptance(row).observe(k, d)
             self._prior(row.compressor).observe(k, d)
             gained += k
+            if d:
+                lo, hi = self.drafted_at.get(row.compressor, (row.full_kv, row.full_kv))
+                self.drafted_at[row.compressor] = (min(lo, row.full_kv), max(hi, row.full_kv))
+                self.exploring.pop(row.compressor, None)
         calibrating = self.costs.draft.samples <= self.CALIBRATION_ROUNDS  # this round was one of the first
         if self.last is not None and self.last.probe and self.last.draft_len and not calibrating:
             # a probe that paid resets the back-off; one that lost doubles it
@@ -414,11 +422,23 @@ class Controller:
 
     # -- compressor choice (--vericache-compressor auto) ------------------------------
 
+    EXPLORE_WITHIN = 1.5  # a candidate not measured near a context is tried if predicted at most this much slower
+    EXPLORE_RANGE = 4.0  # "near": within this factor of a context its drafts were measured at
+    EXPLORE_WAIT = 16  # decode iterations a trial waits for its request's first round before another may try
+
     def choose_compressor(self, candidates: Sequence[tuple[str, float]], context: int,
                           rid=None, current: Optional[str] = None, margin: float = 0.0, rows: int = 1) -> str:
         """The candidate (name, fraction of the full KV a draft step reads) with the most
         expected tokens per second for a request of ``context`` tokens drafting in a batch of
-        ``rows`` such requests; with ``current``, another wins only by ``margin``."""
+        ``rows`` such requests; with ``current``, another wins only by ``margin``.
+
+        A new request may instead try a candidate whose drafts were never measured near its
+        context (within ``EXPLORE_RANGE``) if that is predicted at most ``EXPLORE_WITHIN``
+        slower: its draft cost there is the plain model's extrapolation and its acceptance a
+        prior, so without this a candidate predicted second would never be measured at all.
+        One request at a time tries it (another may once ``EXPLORE_WAIT`` decode iterations
+        pass without its drafts measured: it may have finished at its prefill); the re-choice
+        after its own rounds moves it back when the measurements say so."""
         def rate(name, fraction):
             alpha = self.alpha(rid, name) if name == current else self._prior(name).alpha
             batch = [Row(rid, context, int(context * fraction), name)] * max(1, rows)
@@ -427,6 +447,17 @@ class Controller:
 
         rates = {name: rate(name, fraction) for name, fraction in candidates}
         best = max(rates, key=rates.get)
-        if current in rates and rates[best] <= rates[current] * (1 + margin):
-            return current
+        if current in rates:
+            return current if rates[best] <= rates[current] * (1 + margin) else best
+        for name in sorted(rates, key=rates.get, reverse=True):
+            trial = self.exploring.get(name)
+            if (name != best and (trial is None or self.iterations - trial[1] > self.EXPLORE_WAIT)
+                    and not self.measured_near(name, context) and rates[name] * self.EXPLORE_WITHIN >= rates[best]):
+                self.exploring[name] = (rid, self.iterations)
+                return name
         return best
+
+    def measured_near(self, compressor: str, context: int) -> bool:
+        """Whether a round measured drafts from ``compressor`` at a context within ``EXPLORE_RANGE``."""
+        lo, hi = self.drafted_at.get(compressor, (math.inf, 0))
+        return lo / self.EXPLORE_RANGE <= context <= hi * self.EXPLORE_RANGE
