@@ -78,6 +78,22 @@ def test_online_linear_never_extrapolates_below_zero():
     assert model.predict([1.0, 8, 2.0]) == pytest.approx(0.30, rel=0.05)  # inside the range: the fit
 
 
+def test_online_linear_survives_one_outlier_at_a_new_batch_size():
+    """bench_adaptive's W1: plain steps at 7-8 rows, then one at a single row took 0.9 s (16x
+    its cost: a new shape compiled). Fitted as is, with the variance along the rows grown by
+    forgetting, it gave weights [0.56, -0.02, -0.09]: every later plain step was priced at
+    0.2-0.5 s and every draft step with it. It must move the fit by a typical error at most."""
+    true = lambda x: 0.05 + 0.008 * x[1] + 0.007 * x[2]  # noqa: E731
+    model = OnlineLinear([0.05, 0.015, 0.011])
+    rng = random.Random(5)
+    for i in range(60):
+        x = [1.0, 8 - (i > 30), rng.uniform(2.8, 3.1)]
+        model.observe(x, true(x) * rng.lognormvariate(0, 0.05))
+    model.observe([1.0, 1, 0.37], 0.9)
+    for x in ([1.0, 1, 1.0], [1.0, 4, 3.0], [1.0, 8, 3.0]):
+        assert model.predict(x) == pytest.approx(true(x), rel=0.35), (x, model.w)
+
+
 def test_expected_tokens_and_acceptance_estimates():
     assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 8) == 9.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)

@@ -40,17 +40,28 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations (drafts) behind a prior
 class OnlineLinear:
     """``seconds ~ w . x``, fitted by recursive least squares with forgetting factor
     ``forget`` (older samples weigh ``forget^age``), from ``prior`` weights held with
-    confidence ``1 / prior_var``. ``max_var`` bounds a weight's variance: forgetting makes the
-    variance of a weight whose feature stays 0 grow without end otherwise."""
+    confidence ``1 / prior_var``, the variance of each weight bounded by ``max_var``
+    (forgetting alone lets the variance along a feature the batches do not vary grow without
+    end, and the next batch that varies it is then fitted exactly, noise and all).
+
+    Robust to outliers (Huber): a measurement further from the prediction than ``CLIP``
+    times the typical relative error counts as that far. A step can take many times its usual
+    time once (a new batch shape compiled, the machine busy); fitted as is, one such plain
+    step at a batch size not seen before priced every plain step after it at 0.5 s."""
+
+    CLIP = 3.0
+    SPREAD_RATE = 0.1  # of the running mean of |relative error| that scales the clip
+    MIN_SPREAD = 0.05
 
     def __init__(self, prior: Sequence[float], forget: float = 0.97, prior_var: float = 1.0,
-                 max_var: Optional[float] = None):
+                 max_var: Optional[float] = 1.0):
         self.w = [float(v) for v in prior]
         n = len(self.w)
         self.p = [[prior_var if i == j else 0.0 for j in range(n)] for i in range(n)]
         self.forget, self.max_var = forget, max_var
         self.samples = 0
         self.seen = [0.0] * n  # the largest value of each feature observed
+        self.spread = 0.5  # running mean of the (clipped) relative errors
 
     def predict(self, x: Sequence[float]) -> float:
         """``w . x``, never less than at ``x`` cut back to the largest values measured: a weight
@@ -66,7 +77,12 @@ class OnlineLinear:
         px = [sum(self.p[i][j] * x[j] for j in range(n)) for i in range(n)]
         denom = lam + sum(x[i] * px[i] for i in range(n))
         gain = [v / denom for v in px]
-        error = seconds - sum(w * v for w, v in zip(self.w, x))
+        predicted = sum(w * v for w, v in zip(self.w, x))
+        ref = max(predicted, 0.1 * seconds)  # relative to the prediction (unless that is near 0 or below)
+        limit = self.CLIP * self.spread
+        relative = max(-limit, min(limit, (seconds - predicted) / ref))
+        self.spread = max(self.MIN_SPREAD, self.spread + self.SPREAD_RATE * (abs(relative) - self.spread))
+        error = relative * ref
         self.w = [w + g * error for w, g in zip(self.w, gain)]
         self.seen = [max(a, b) for a, b in zip(self.seen, x)]
         self.p = [[(self.p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
