@@ -38,27 +38,37 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations (drafts) behind a prior
 
 
 class OnlineLinear:
-    """``seconds ~ w . x``, fitted by recursive least squares with forgetting factor
-    ``forget`` (older samples weigh ``forget^age``), from ``prior`` weights held with
-    confidence ``1 / prior_var``, the variance of each weight bounded by ``max_var``
-    (forgetting alone lets the variance along a feature the batches do not vary grow without
-    end, and the next batch that varies it is then fitted exactly, noise and all).
+    """``seconds ~ w . x``, fitted to the measurements by weighted least squares, older ones
+    weighing ``forget^age``, each with a relative error of ``NOISE`` (so a slow step counts no
+    more than a fast one), and regularized toward ``prior``: each weight is held with a
+    standard deviation of ``prior_sd`` (default: its prior's magnitude, 1 where the prior is
+    0), a term forgetting does not decay. Solved exactly at every measurement (a few features).
 
-    Robust to outliers (Huber): a measurement further from the prediction than ``CLIP``
-    times the typical relative error counts as that far. A step can take many times its usual
+    The prior matters where the batches seen do not separate the features: rows and KV grow
+    together when one workload's requests are alike, and recursive least squares with
+    forgetting then let the weights drift along that direction freely (a KV weight of -0.5
+    after a noisy serving phase, every plain step priced at 0 s). Here they stay at the prior
+    in directions no measurement pins, and follow the measurements in the others.
+
+    Robust to outliers (one-sided): a measurement further above the prediction than ``CLIP``
+    times the typical relative error weighs by the square of that ratio (a batch shape not
+    measured before has the leverage to pull the fit through it). A step can take many times its usual
     time once (a new batch shape compiled, the machine busy); fitted as is, one such plain
     step at a batch size not seen before priced every plain step after it at 0.5 s."""
 
     CLIP = 3.0
     SPREAD_RATE = 0.1  # of the running mean of |relative error| that scales the clip
     MIN_SPREAD = 0.05
+    NOISE = 0.1  # a measurement's relative error, against the prior's
 
-    def __init__(self, prior: Sequence[float], forget: float = 0.97, prior_var: float = 1.0,
-                 max_var: Optional[float] = 1.0):
-        self.w = [float(v) for v in prior]
+    def __init__(self, prior: Sequence[float], forget: float = 0.97, prior_sd: Optional[Sequence[float]] = None):
+        self.prior = [float(v) for v in prior]
+        self.prior_sd = list(prior_sd) if prior_sd is not None else [abs(p) or 1.0 for p in self.prior]
+        self.w = list(self.prior)
         n = len(self.w)
-        self.p = [[prior_var if i == j else 0.0 for j in range(n)] for i in range(n)]
-        self.forget, self.max_var = forget, max_var
+        self.a = [[0.0] * n for _ in range(n)]  # sum of forget^age x x' / sigma^2
+        self.b = [0.0] * n  # sum of forget^age x y / sigma^2
+        self.forget = forget
         self.samples = 0
         self.seen = [0.0] * n  # the largest value of each feature observed
         self.spread = 0.5  # running mean of the (clipped) relative errors
@@ -74,22 +84,34 @@ class OnlineLinear:
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         n, lam = len(self.w), self.forget
-        px = [sum(self.p[i][j] * x[j] for j in range(n)) for i in range(n)]
-        denom = lam + sum(x[i] * px[i] for i in range(n))
-        gain = [v / denom for v in px]
         predicted = sum(w * v for w, v in zip(self.w, x))
         ref = max(predicted, 0.1 * seconds)  # relative to the prediction (unless that is near 0 or below)
+        relative = (seconds - predicted) / ref
         limit = self.CLIP * self.spread
-        relative = max(-limit, min(limit, (seconds - predicted) / ref))
-        self.spread = max(self.MIN_SPREAD, self.spread + self.SPREAD_RATE * (abs(relative) - self.spread))
-        error = relative * ref
-        self.w = [w + g * error for w, g in zip(self.w, gain)]
-        self.seen = [max(a, b) for a, b in zip(self.seen, x)]
-        self.p = [[(self.p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
-        if self.max_var is not None:
-            scale = [min(1.0, math.sqrt(self.max_var / self.p[i][i])) if self.p[i][i] > 0 else 1.0 for i in range(n)]
-            self.p = [[self.p[i][j] * scale[i] * scale[j] for j in range(n)] for i in range(n)]
+        # a step is slowed, never sped up, by a hiccup: one far above the prediction weighs less
+        weight = min(1.0, limit / relative) ** 2 if relative > 0 else 1.0
+        self.spread = max(self.MIN_SPREAD, self.spread + self.SPREAD_RATE * (min(abs(relative), limit) - self.spread))
+        weight /= (self.NOISE * ref) ** 2
+        self.a = [[lam * self.a[i][j] + weight * x[i] * x[j] for j in range(n)] for i in range(n)]
+        self.b = [lam * self.b[i] + weight * x[i] * seconds for i in range(n)]
+        self.seen = [max(u, v) for u, v in zip(self.seen, x)]
         self.samples += 1
+        self.refit()
+
+    def refit(self) -> None:
+        """The weights minimizing the weighted squared errors plus the prior's term."""
+        n = len(self.w)
+        held = [1.0 / sd ** 2 for sd in self.prior_sd]
+        m = [[self.a[i][j] + (held[i] if i == j else 0.0) for j in range(n)] + [self.b[i] + held[i] * self.prior[i]]
+             for i in range(n)]
+        for c in range(n):  # Gauss-Jordan with partial pivoting (positive definite: no zero pivot)
+            pivot = max(range(c, n), key=lambda r: abs(m[r][c]))
+            m[c], m[pivot] = m[pivot], m[c]
+            for r in range(n):
+                if r != c and m[r][c]:
+                    f = m[r][c] / m[c][c]
+                    m[r] = [u - f * v for u, v in zip(m[r], m[c])]
+        self.w = [m[i][n] / m[i][i] for i in range(n)]
 
 
 def expected_tokens(alpha: float, draft_len: int) -> float:
@@ -184,13 +206,16 @@ class DraftCost:
     # both factors' prior: decode_medium.json's draft steps (streamingllm, kivi4; 2k x 1, 4k x 4)
     # took 0.55-0.7 of a plain step
     PRIOR = 0.7
+    # the KV factors' standard deviation about it: they move where keys are a large part of a
+    # draft step, not where a 10% error in the plain model's split would leak into them
+    KV_SD = 0.15
     FLOOR = 0.05
 
     def __init__(self, plain: OnlineLinear, padded: bool = True):
         self.plain, self.padded = plain, padded
         self.index = {name: i + 1 for i, name in enumerate(PRIOR_ACCEPTANCE)}  # compressor -> its factor's slot
         n = len(self.index) + 2  # [shared, per compressor..., any other compressor]
-        self.fit = OnlineLinear([self.PRIOR] * n, forget=0.95, prior_var=0.25, max_var=1.0)
+        self.fit = OnlineLinear([self.PRIOR] * n, forget=0.95, prior_sd=[self.PRIOR] + [self.KV_SD] * (n - 1))
         self.measured = [0] * n  # draft steps measured per factor
         self.samples = 0
 
@@ -243,7 +268,7 @@ class DraftCost:
         pooled = self._pooled()
         for i, v in enumerate(x):
             if v and i and not self.measured[i]:
-                self.fit.w[i] = pooled  # a compressor's first measurement starts from the others' factor
+                self.fit.prior[i] = self.fit.w[i] = pooled  # a compressor's first measurement starts from the others' factor
         self.fit.observe(x, seconds / base)
         self.measured = [n + (v > 0) for n, v in zip(self.measured, x)]
         self.samples += 1
