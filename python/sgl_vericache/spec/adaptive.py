@@ -4,10 +4,11 @@ Each decode iteration the ``Controller`` picks, for the running batch, plain dec
 token per request, SGLang's ordinary decode forward) or a VeriCache round and its draft
 length, by expected tokens per second:
 
-- **cost**: seconds of a plain decode step, a draft step and a verify pass, each a linear
-  function of the batch (rows, tokens per row, full and compressed KV per row) fitted online
-  (``OnlineLinear``: recursive least squares, forgetting old samples) from the measured time
-  of every forward it sees, starting from a prior;
+- **cost**: seconds of a plain decode step and a verify pass, each a linear function of the
+  batch (rows, tokens per row, full KV per row) fitted online (``OnlineLinear``: weighted
+  least squares, forgetting old samples but not the prior) from the measured time of every
+  forward it sees; a draft step is the plain step at the KV the drafts read, times learned
+  factors (``DraftCost``);
 - **tokens**: a round of draft length ``d`` emits ``1 + a + a^2 + ... + a^d`` tokens per row
   in expectation, ``a`` being the row's per-token acceptance (``Acceptance``: its own
   history, decayed, on top of a prior per compressor that all requests teach);
@@ -197,7 +198,7 @@ class DraftCost:
     prior, and a quantizer draft reading a request's full 4k KV was priced like a dropper's
     reading 1k (bench_adaptive's W3 then chose kivi4 and decoded plainly).
 
-    The factors are fitted by recursive least squares on each measured draft step, relative to
+    The factors are fitted (``OnlineLinear``) to each measured draft step, relative to
     the plain step at the drafts' KV (features: the two parts' shares of it, the KV part split
     by the rows' compressors; target: the measured step over it). A compressor no draft step
     has measured yet takes the measured ones' mean KV factor. With ``padded`` (the dense draft
