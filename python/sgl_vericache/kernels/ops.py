@@ -62,8 +62,10 @@ MEASURED_LAUNCH = {FMT_DENSE: (32, 4, 2), FMT_KIVI: (64, 4, 3), FMT_INT8: (32, 4
                    "quest": (64, 4, 2)}
 
 
+@functools.lru_cache(maxsize=64)
 def launch_for(config: LaunchConfig, fmt) -> LaunchConfig:
-    """``config`` with its unset sizes taken from MEASURED_LAUNCH[fmt]."""
+    """``config`` with its unset sizes taken from MEASURED_LAUNCH[fmt] (cached: the drafter
+    asks once per layer and draft step with the same few configs)."""
     block_n, warps, stages = MEASURED_LAUNCH.get(fmt, (DEFAULT_BLOCK_N, 4, 2))
     return dataclasses.replace(config, block_n=config.block_n or block_n, num_warps=config.num_warps or warps,
                                num_stages=config.num_stages or stages)
