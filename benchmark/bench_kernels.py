@@ -51,12 +51,14 @@ COMBOS = [(32768, 8), (131072, 8), (32768, 32), (8192, 8), (131072, 32), (8192, 
           (131072, 1), (8192, 1)]
 METHODS = {"kivi4": {"group_size": 32, "residual_length": 128}, "kivi2": {"group_size": 32, "residual_length": 128},
            "int8": {}, "fp8": {"scale": "head"}, "droppers": {}, "quest": {}}
-# the launch search, per head shape at 32k x 8: (block_n, num_warps, num_stages), each with
-# the method's variants (int8 / fp8: scales folded or not), then the best of those at 1 and
-# 4 waves of programs instead of 2. (KIVI's gather unpacking, unpack=1, measured 10-20x
-# slower than join / reshape on the H200 (1ced50f): no longer searched.)
-TUNE_CONFIGS = [(32, 4, 2), (64, 4, 2), (128, 4, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3), (128, 8, 3), (64, 4, 4)]
-TUNE_VARIANTS = {"int8": [{"fold": True}, {"fold": False}], "fp8": [{"fold": True}, {"fold": False}]}
+# the launch search, per head shape at 32k x 8, for the quantizers: (block_n, num_warps,
+# num_stages) x the method's variants (half products or fp32 dequantization), interleaved so
+# a short budget still tries every variant, then the best at 1 and 4 waves of programs
+# instead of 2. The droppers' and Quest's sizes were searched at edf012c and 1ced50f and are
+# ops.MEASURED_LAUNCH's. (Not searched any more: KIVI's gather unpacking, unpack=1, 10-20x
+# slower; int8 / fp8 unfolded, fold=False, 0.7x of folded at edf012c.)
+TUNE_CONFIGS = [(64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 2, 3), (32, 2, 3)]
+TUNE_VARIANTS = {m: [{"half": False}, {"half": True}] for m in ("kivi4", "kivi2", "int8", "fp8")}
 EXTRAS = 16  # provisional tokens seen (draft step 16 of 32)
 RATIO = 4.0
 
@@ -238,6 +240,8 @@ def tune(timer, device, gen, context, batch, shape_name, deadline) -> tuple[dict
     ke, ve = (_rand((batch, 32, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
     best, log = {}, []
     for method in METHODS:
+        if method not in TUNE_VARIANTS:
+            continue
         packed = synth_entry(method, batch, context, hkv, d, device, gen)
         timed = []
 
@@ -250,8 +254,8 @@ def tune(timer, device, gen, context, batch, shape_name, deadline) -> tuple[dict
             timed.append((ms, cfg))
             log.append({"shape": shape_name, "method": method, **_launch(cfg), "ms": ms})
 
-        for variant in TUNE_VARIANTS.get(method, [{}]):
-            for block_n, warps, stages in TUNE_CONFIGS:
+        for block_n, warps, stages in TUNE_CONFIGS:
+            for variant in TUNE_VARIANTS[method]:
                 if time.monotonic() < deadline or not timed:
                     trial(ops.LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, **variant))
         if timed:
@@ -266,7 +270,7 @@ def tune(timer, device, gen, context, batch, shape_name, deadline) -> tuple[dict
 
 def _launch(cfg: ops.LaunchConfig) -> dict:  # unset sizes are ops.MEASURED_LAUNCH's for the method
     return {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "fold": cfg.fold,
-            "unpack": cfg.unpack, "waves": cfg.waves}
+            "unpack": cfg.unpack, "waves": cfg.waves, "half": cfg.half}
 
 
 # ---------------------------------------------------------------- the layer loader

@@ -47,6 +47,9 @@ class Shape:
     head_dim: int = 64
     dtype: torch.dtype = torch.float32  # KV (entry) and query dtype
     q_dtype: torch.dtype | None = None  # None: as dtype
+    # queries are randn * q_gain and the softmax scale 1 / (sqrt(d) q_gain): the same scores
+    # from queries far outside fp16's range (half products rescale them into it)
+    q_gain: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -103,13 +106,13 @@ def check_method(method: str, options: dict, shape: Shape, config: ops.LaunchCon
     comp, layers = _entries(method, options, shape, device, seed)
     rows_n, hq, d = len(layers), shape.kv_heads * shape.group, shape.head_dim
     q_dtype = shape.q_dtype or shape.dtype
-    q = torch.randn(rows_n, hq, d, generator=_gen(seed + 100)).to(q_dtype).to(device)
+    q = (torch.randn(rows_n, hq, d, generator=_gen(seed + 100)) * shape.q_gain).to(q_dtype).to(device)
     k_ext, v_ext = (torch.randn(rows_n, extras, shape.kv_heads, d, generator=_gen(seed + s)).to(shape.dtype).to(device)
                     for s in (200, 201))
     ext_base = [r % extras for r in range(rows_n)]
     packed = pack(comp, layers)
     rows = packed.rows(ext_base=ext_base)
-    scale = 1 / math.sqrt(d)
+    scale = 1 / (math.sqrt(d) * shape.q_gain)
     out = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config)
     ref = torch.cat([comp.attend(layers[r], q[r : r + 1], scale, k_ext[r, : ext_base[r] + 1],
                                  v_ext[r, : ext_base[r] + 1]) for r in range(rows_n)])
@@ -249,7 +252,8 @@ FAMILIES = ("quantizers", "droppers", "layouts", "store", "large")
 def _label(method, options, shape: Shape, splits) -> str:
     label = (f"{method}{'-' + str(options.get('scale')) if method == 'fp8' else ''} T={list(shape.lengths)} "
              f"gqa={shape.group} d={shape.head_dim} {str(shape.dtype)[6:]}"
-             f"{' q=' + str(shape.q_dtype)[6:] if shape.q_dtype else ''} splits={splits}")
+             f"{' q=' + str(shape.q_dtype)[6:] if shape.q_dtype else ''}"
+             f"{f' q*{shape.q_gain:g}' if shape.q_gain != 1 else ''} splits={splits}")
     if method.startswith("kivi"):
         label += f" G={options['group_size']} R={options['residual_length']}"
     return label
@@ -275,6 +279,25 @@ def _launch_variants() -> list[Case]:
                      unpack=1),
         _method_case("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2, fold=False),
         _method_case("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1, fold=False),
+        # half products (fp16 decoding and products): every quantizer, both half dtypes, the
+        # three KIVI key-scale paths (group 8 / 16 / 32 at block 16), gathered codes, and bf16
+        # queries far outside fp16's range either way (the power-of-two rescaling)
+        _method_case("kivi4", KIVI, Shape((37, 70, 5), dtype=b16), 2, half=True),
+        _method_case("kivi4", {"group_size": 16, "residual_length": 8}, Shape((40, 33), dtype=b16), 1, half=True),
+        _method_case("kivi2", {"group_size": 32, "residual_length": 0}, Shape((70, 9), head_dim=128, dtype=f16), 2,
+                     half=True),
+        _method_case("kivi4", {"group_size": 4, "residual_length": 5}, Shape((41, 30), group=8, kv_heads=1,
+                                                                             dtype=b16), 2, half=True),
+        _method_case("kivi4", KIVI, Shape((37, 70, 5), dtype=b16, q_dtype=f16), 2, half=True),
+        _method_case("kivi2", KIVI, Shape((37, 70, 5), dtype=b16, q_gain=3e5), 2, half=True),
+        _method_case("kivi2", KIVI, Shape((37, 70, 5), dtype=b16, q_gain=1e-6), 2, half=True),
+        _method_case("kivi4", KIVI, Shape((37, 70, 5), dtype=b16), 2, half=True, unpack=1),
+        _method_case("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2, half=True),
+        _method_case("int8", {}, Shape((33, 81, 2), dtype=b16, q_gain=1e-6), 1, half=True),
+        _method_case("int8", {}, Shape((33, 81, 2), dtype=f16, head_dim=128), 2, half=True),
+        _method_case("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1, half=True),
+        _method_case("fp8", {"scale": "head"}, Shape((29, 66, 3), dtype=b16, q_gain=3e5), 2, half=True),
+        _method_case("fp8", {"scale": "head"}, Shape((29, 66, 3), group=1, dtype=b16), 2, half=True),
     ]
     half_kivi = [
         ("kivi2", {"group_size": 32, "residual_length": 16}, Shape((100, 49), head_dim=128, dtype=b16), 1),
@@ -367,6 +390,13 @@ def all_cases() -> list[Case]:
         cases.append(Case(f"{method} default launch sizes T={list(big.lengths)}", lambda dev, a=(method, options):
                           check_method(*a, big, ops.LaunchConfig(), dev), family="large", interpret=False,
                           tags=(method,)))
+        if method in QUANTIZERS:  # both settings of half products at the default sizes
+            cases.append(Case(f"{method} default launch sizes half T={list(big.lengths)}",
+                              lambda dev, m=method: check_method(m, {}, big, ops.LaunchConfig(half=True), dev),
+                              family="large", interpret=False, tags=(method,)))
+            cases.append(Case(f"{method} default launch sizes no half T={list(big.lengths)}",
+                              lambda dev, m=method: check_method(m, {}, big, ops.LaunchConfig(half=False), dev),
+                              family="large", interpret=False, tags=(method,)))
     return cases
 
 

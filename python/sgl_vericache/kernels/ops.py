@@ -53,6 +53,10 @@ class LaunchConfig:
     # block size but 10-20x slower on an H200 (one byte load per channel), kept as the fallback
     unpack: int = 0
     waves: int = 2  # num_splits=None: enough splits for this many waves of programs over the SMs
+    # quantized entries in fp16 / bf16 under a half query: decode the codes and dequantize in
+    # fp16 and multiply in fp16 (a bf16 query scaled by a power of two into fp16's range),
+    # instead of fp32 dequantization rounded to the entry dtype. None: MEASURED_HALF[format]
+    half: Optional[bool] = None
 
 
 # (block_n, num_warps, num_stages) per format, the fastest bench_kernels.py found on an H200
@@ -62,13 +66,18 @@ MEASURED_LAUNCH = {FMT_DENSE: (32, 4, 2), FMT_KIVI: (64, 4, 3), FMT_INT8: (32, 4
                    "quest": (64, 4, 2)}
 
 
+# whether half products are the faster default per format (see LaunchConfig.half)
+MEASURED_HALF = {FMT_KIVI: False, FMT_INT8: False, FMT_FP8: False}
+
+
 @functools.lru_cache(maxsize=64)
 def launch_for(config: LaunchConfig, fmt) -> LaunchConfig:
     """``config`` with its unset sizes taken from MEASURED_LAUNCH[fmt] (cached: the drafter
     asks once per layer and draft step with the same few configs)."""
     block_n, warps, stages = MEASURED_LAUNCH.get(fmt, (DEFAULT_BLOCK_N, 4, 2))
+    half = MEASURED_HALF.get(fmt, False) if config.half is None else config.half
     return dataclasses.replace(config, block_n=config.block_n or block_n, num_warps=config.num_warps or warps,
-                               num_stages=config.num_stages or stages)
+                               num_stages=config.num_stages or stages, half=half)
 
 
 def dot_modes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[int, int]:
@@ -130,6 +139,15 @@ def folds(config: LaunchConfig, packed: PackedKV, q_dtype: torch.dtype) -> bool:
     return q_dtype == packed.dtype or packed.dtype == torch.float32
 
 
+def halves(config: LaunchConfig, packed: PackedKV, q_dtype: torch.dtype) -> bool:
+    """Half products (LaunchConfig.half) apply to KIVI, int8 and fp8 entries stored in fp16
+    or bf16 under an fp16 or bf16 query. Values that dequantize beyond fp16's range
+    (|x| > 65504) would overflow there: such a draft is wrong and verification rejects it."""
+    half_types = (torch.float16, torch.bfloat16)
+    return (bool(config.half) and packed.fmt in (FMT_KIVI, FMT_INT8, FMT_FP8) and packed.dtype in half_types
+            and q_dtype in half_types)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
@@ -173,7 +191,8 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
     rnd, dot = dot_modes(q.dtype, packed.dtype)
     m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
     k = packed.k
-    block_n = kivi_block_n(config, packed, dot, q.device)
+    half = halves(config, packed, q.dtype)
+    block_n = kivi_block_n(config, packed, 1 if half else dot, q.device)
     kmode = key_scale_mode(packed.token_group, block_n)
     td._decode_split_kernel[(num_rows, packed.num_kv_heads, splits)](
         q, rows.meta, k, packed.v,
@@ -185,7 +204,8 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         FMT=packed.fmt, BITS=packed.bits, QGROUP=packed.token_group, CGROUP=packed.channel_group,
         KMODE=kmode if kmode != 2 or config.unpack == 0 else 0,
         HEAD_SCALE=packed.head_scale, INDEXED=packed.indices is not None, ROUND=rnd, DOT=dot,
-        FOLD=folds(config, packed, q.dtype), UNPACK=config.unpack,
+        FOLD=folds(config, packed, q.dtype) or (half and packed.fmt != FMT_KIVI), UNPACK=config.unpack, HALF=half,
+        Q_BF16=q.dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return _combine(m, l, acc, q.dtype, return_lse)

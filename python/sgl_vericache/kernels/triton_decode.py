@@ -54,6 +54,34 @@ def _dot_in(x, DOT: tl.constexpr):
 
 
 @triton.jit
+def _codes_float(c, HALF: tl.constexpr):
+    """Non-negative int32 codes as exact floats without a conversion instruction (int -> float
+    runs at a quarter of the ALU rate on Hopper, and was what bounded these kernels): the
+    code is OR'd into the mantissa of 2^23 (fp32) or 1024 (fp16, codes < 1024) and that
+    power of two subtracted."""
+    if HALF:
+        return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _half_query(q, RESCALE: tl.constexpr):
+    """(q16, unit) for fp16 products. RESCALE (a bf16 query): q times a power of two that
+    brings its largest element to [2^13, 2^14) (exact, inside fp16's range; elements below
+    2^-27 of the largest flush), and 1 / that power, which the scores take back. Otherwise
+    (an fp16 query) q as it is."""
+    if RESCALE:
+        qa = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        e = tl.maximum((qa.to(tl.int32, bitcast=True) >> 23) & 0xFF, 14)  # biased exponent of the largest
+        up = ((267 - e) << 23).to(tl.float32, bitcast=True)  # 2^(140 - e)
+        unit = ((e - 13) << 23).to(tl.float32, bitcast=True)  # 2^(e - 140)
+        return (q.to(tl.float32) * up).to(tl.float16), unit
+    else:
+        return q.to(tl.float16), 1.0
+
+
+@triton.jit
 def _mm(a, b, DOT: tl.constexpr):
     """a @ b with fp32 accumulation; DOT 0 multiplies in fp32 (no TF32)."""
     if DOT == 0:
@@ -111,30 +139,50 @@ def _gather_codes(data_ptr, tok, h, H, valid, BITS: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
-def _gather_value_scales(s_ptr, z_ptr, tok, h, H, valid, CGROUP: tl.constexpr, D: tl.constexpr):
+def _gather_value_scales(s_ptr, z_ptr, tok, h, H, valid, CGROUP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
     """Per-token value scales and zeros broadcast to [BN, D] by gathering (no reshape)."""
     d = tl.arange(0, D)
     off = ((tok * H + h) * (D // CGROUP))[:, None] + (d // CGROUP)[None, :]
-    scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-    zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    dt = tl.float16 if HALF else tl.float32
+    scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(dt)
+    zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(dt)
     return scale, zero
 
 
 @triton.jit
-def _fp8_e4m3_to_f32(b):
-    """uint8 e4m3fn bit patterns -> fp32, exactly: the 7 magnitude bits shifted into an fp16
-    land on the same value times 2^-8 (normals and subnormals alike)."""
+def _fp8_e4m3_to_f16(b):
+    """uint8 e4m3fn bit patterns -> fp16 equal to the value times 2^-8, exactly: the 7
+    magnitude bits shifted into an fp16 land there (normals and subnormals alike)."""
     b = b.to(tl.int32)
     bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _load_codes(data_ptr, tok, h, H, valid, FMT: tl.constexpr, D: tl.constexpr):
-    """int8 or fp8 codes of rows tok as exact fp32 values (no scale applied)."""
+def _fp8_e4m3_to_f32(b):
+    """uint8 e4m3fn bit patterns -> fp32, exactly."""
+    return _fp8_e4m3_to_f16(b).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _int8_codes(raw, HALF: tl.constexpr):
+    """int8 codes as exact fp32 (HALF: fp16) values, via their offset-binary byte."""
+    u = raw.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80  # code + 128
+    if HALF:
+        return (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+    else:
+        return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _load_codes(data_ptr, tok, h, H, valid, FMT: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
+    """int8 or fp8 codes of rows tok as exact fp32 values (no scale applied); HALF: fp16,
+    fp8 ones 2^-8 times the code (the caller multiplies the scale by 256)."""
     raw = _load_dense(data_ptr, tok, h, H, valid, D)
     if FMT == 2:
-        return raw.to(tl.float32)
+        return _int8_codes(raw, HALF)
+    elif HALF:
+        return _fp8_e4m3_to_f16(raw)
     else:
         return _fp8_e4m3_to_f32(raw)
 
@@ -160,23 +208,24 @@ def _kivi_keys(codes, s_ptr, z_ptr, tok, tok0, h, H, valid,
                QGROUP: tl.constexpr, KMODE: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     """Per-channel key scales: one [D] row per QGROUP tokens. KMODE 1: the block lies in one
     group (QGROUP % BN == 0), one row for all; 2: whole groups (BN % QGROUP == 0), a row
-    each; 0: any other size, a row gathered per token."""
+    each; 0: any other size, a row gathered per token. Arithmetic in codes' dtype (fp32,
+    or fp16 for half products)."""
     d = tl.arange(0, D)
     if KMODE == 1:
         off = ((tok0 // QGROUP) * H + h) * D + d
-        x = codes * tl.load(s_ptr + off).to(tl.float32)[None, :] + tl.load(z_ptr + off).to(tl.float32)[None, :]
+        x = codes * tl.load(s_ptr + off).to(codes.dtype)[None, :] + tl.load(z_ptr + off).to(codes.dtype)[None, :]
     elif KMODE == 2:
         rows = tok0 // QGROUP + tl.arange(0, BN // QGROUP)
         live = tl.max(tl.reshape(valid.to(tl.int32), (BN // QGROUP, QGROUP)), 1) > 0
         off = ((rows * H + h) * D)[:, None] + d[None, :]
-        scale = tl.load(s_ptr + off, mask=live[:, None], other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + off, mask=live[:, None], other=0.0).to(tl.float32)
+        scale = tl.load(s_ptr + off, mask=live[:, None], other=0.0).to(codes.dtype)
+        zero = tl.load(z_ptr + off, mask=live[:, None], other=0.0).to(codes.dtype)
         x3 = tl.reshape(codes, (BN // QGROUP, QGROUP, D)) * scale[:, None, :] + zero[:, None, :]
         x = tl.reshape(x3, (BN, D))
     else:
         off = (((tok // QGROUP) * H + h) * D)[:, None] + d[None, :]
-        scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(codes.dtype)
+        zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(codes.dtype)
         x = codes * scale + zero
     return x
 
@@ -186,8 +235,8 @@ def _kivi_values(codes, s_ptr, z_ptr, tok, h, H, valid, CGROUP: tl.constexpr, BN
     """Per-token value scales, one per CGROUP channels (a power of two dividing D)."""
     c = tl.arange(0, D // CGROUP)
     off = ((tok * H + h) * (D // CGROUP))[:, None] + c[None, :]
-    scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-    zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(codes.dtype)
+    zero = tl.load(z_ptr + off, mask=valid[:, None], other=0.0).to(codes.dtype)
     x3 = tl.reshape(codes, (BN, D // CGROUP, CGROUP)) * scale[:, :, None] + zero[:, :, None]
     return tl.reshape(x3, (BN, D))
 
@@ -195,34 +244,31 @@ def _kivi_values(codes, s_ptr, z_ptr, tok, h, H, valid, CGROUP: tl.constexpr, BN
 @triton.jit
 def _load_main(data_ptr, s_ptr, z_ptr, tok, tok0, entry, h, H, valid,
                FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
-               HEAD_SCALE: tl.constexpr, IS_KEY: tl.constexpr, UNPACK: tl.constexpr, BN: tl.constexpr,
-               D: tl.constexpr):
-    """[BN, D] fp32 (or stored dtype for dense) keys/values of the main segment; tok0 is the
-    block's first row (blocks start on multiples of BN within an entry). UNPACK (KIVI): 0
-    unpacks a row's bytes with join / reshape, 1 gathers each channel's byte (KMODE 0 or 1)."""
+               HEAD_SCALE: tl.constexpr, IS_KEY: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr,
+               BN: tl.constexpr, D: tl.constexpr):
+    """[BN, D] fp32 (or stored dtype for dense; fp16 for KIVI with HALF) keys/values of the
+    main segment; tok0 is the block's first row (blocks start on multiples of BN within an
+    entry). UNPACK (KIVI): 0 unpacks a row's bytes with join / reshape, 1 gathers each
+    channel's byte (KMODE 0 or 1). int8 / fp8 here are the unfolded fp32 path."""
     if FMT == 0:
         x = _load_dense(data_ptr, tok, h, H, valid, D)
     elif FMT == 1:
         if UNPACK == 1:
-            codes = _gather_codes(data_ptr, tok, h, H, valid, BITS, D).to(tl.float32)
+            codes = _codes_float(_gather_codes(data_ptr, tok, h, H, valid, BITS, D), HALF)
         else:
             j = tl.arange(0, D * BITS // 8)
             b = tl.load(data_ptr + ((tok * H + h) * (D * BITS // 8))[:, None] + j[None, :], mask=valid[:, None],
                         other=0)
-            codes = _unpack_codes(b.to(tl.int32), BITS, BN, D).to(tl.float32)
+            codes = _codes_float(_unpack_codes(b.to(tl.int32), BITS, BN, D), HALF)
         if IS_KEY:
             x = _kivi_keys(codes, s_ptr, z_ptr, tok, tok0, h, H, valid, QGROUP, KMODE, BN, D)
         elif UNPACK == 1:
-            scale, zero = _gather_value_scales(s_ptr, z_ptr, tok, h, H, valid, CGROUP, D)
+            scale, zero = _gather_value_scales(s_ptr, z_ptr, tok, h, H, valid, CGROUP, D, HALF)
             x = codes * scale + zero
         else:
             x = _kivi_values(codes, s_ptr, z_ptr, tok, h, H, valid, CGROUP, BN, D)
     else:
-        raw = _load_dense(data_ptr, tok, h, H, valid, D)
-        if FMT == 2:
-            codes = raw.to(tl.float32)
-        else:
-            codes = _fp8_e4m3_to_f32(raw)
+        codes = _load_codes(data_ptr, tok, h, H, valid, FMT, D, False)
         if HEAD_SCALE:  # fp8 "head": one scale per entry and head
             scale = tl.load(s_ptr + entry * H + h).to(tl.float32)
             x = codes * scale
@@ -260,7 +306,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
     FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
     HEAD_SCALE: tl.constexpr, INDEXED: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
-    FOLD: tl.constexpr, UNPACK: tl.constexpr,
+    FOLD: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr, Q_BF16: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -273,6 +319,9 @@ def _decode_split_kernel(
     d = tl.arange(0, D)
     q_rows = r.to(tl.int64) * HQ + h * GROUP + gi
     q = tl.load(q_ptr + (q_rows * D)[:, None] + d[None, :], mask=(gi < GROUP)[:, None], other=0.0)
+    if HALF:  # the main segment multiplies fp16: codes and dequantized values are exact or rounded there
+        qh, unit = _half_query(q, Q_BF16)
+        main_scale = qk_scale * unit
     q = _dot_in(q, DOT)
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -289,21 +338,39 @@ def _decode_split_kernel(
         if INDEXED:
             tok = tl.load(idx_ptr + tok, mask=valid, other=0).to(tl.int64)
         if FOLD:  # int8 / fp8: exact codes in the products, the token scales on scores and probabilities
-            k = _dot_in(_load_codes(k_ptr, tok, h, H, valid, FMT, D), DOT)
             k_scale = _token_scales(ks_ptr, tok, entry, h, H, valid, HEAD_SCALE, BN)
-            s = _mm(q, tl.trans(k), DOT) * (k_scale * qk_scale)[None, :]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            v = _dot_in(_load_codes(v_ptr, tok, h, H, valid, FMT, D), DOT)
             v_scale = _token_scales(vs_ptr, tok, entry, h, H, valid, HEAD_SCALE, BN)
-            m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, DOT)
+            if HALF:
+                if FMT == 3:  # fp16 fp8 codes are 2^-8 of the value
+                    k_scale = k_scale * 256.0
+                    v_scale = v_scale * 256.0
+                k = _load_codes(k_ptr, tok, h, H, valid, FMT, D, True)
+                s = _mm(qh, tl.trans(k), 1) * (k_scale * main_scale)[None, :]
+                s = tl.where(valid[None, :], s, float("-inf"))
+                v = _load_codes(v_ptr, tok, h, H, valid, FMT, D, True)
+                m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, 1)
+            else:
+                k = _dot_in(_load_codes(k_ptr, tok, h, H, valid, FMT, D, False), DOT)
+                s = _mm(q, tl.trans(k), DOT) * (k_scale * qk_scale)[None, :]
+                s = tl.where(valid[None, :], s, float("-inf"))
+                v = _dot_in(_load_codes(v_ptr, tok, h, H, valid, FMT, D, False), DOT)
+                m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, DOT)
+        elif HALF:  # KIVI dequantized in fp16
+            k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,
+                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, UNPACK, True, BN, D)
+            s = _mm(qh, tl.trans(k), 1) * main_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
+                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, UNPACK, True, BN, D)
+            m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, 1)
         else:
             k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,
-                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, UNPACK, BN, D)
+                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, UNPACK, False, BN, D)
             k = _dot_in(_round_to(k, ROUND), DOT)
             s = _mm(q, tl.trans(k), DOT) * qk_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
-                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, UNPACK, BN, D)
+                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, UNPACK, False, BN, D)
             v = _dot_in(_round_to(v, ROUND), DOT)
             m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, DOT)
 
