@@ -53,12 +53,15 @@ METHODS = {"kivi4": {"group_size": 32, "residual_length": 128}, "kivi2": {"group
            "int8": {}, "fp8": {"scale": "head"}, "droppers": {}, "quest": {}}
 # the launch search, per head shape at 32k x 8, for the quantizers: (block_n, num_warps,
 # num_stages) x the method's variants (half products or fp32 dequantization), interleaved so
-# a short budget still tries every variant, then the best at 1 and 4 waves of programs
+# a short budget still tries every variant (half products with the codes decoded by inline
+# PTX, the default, or by Triton code), then the best at 1 and 4 waves of programs
 # instead of 2. The droppers' and Quest's sizes were searched at edf012c and 1ced50f and are
 # ops.MEASURED_LAUNCH's. (Not searched any more: KIVI's gather unpacking, unpack=1, 10-20x
 # slower; int8 / fp8 unfolded, fold=False, 0.7x of folded at edf012c.)
 TUNE_CONFIGS = [(64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 2, 3), (32, 2, 3)]
-TUNE_VARIANTS = {m: [{"half": False}, {"half": True}] for m in ("kivi4", "kivi2", "int8", "fp8")}
+TUNE_VARIANTS = {m: [{"half": False}, {"half": True}, {"half": True, "asm": 0}] for m in ("kivi4", "kivi2")}
+TUNE_VARIANTS.update({m: [{"half": False}, {"half": True}, {"half": True, "asm": 1}, {"half": True, "asm": 0}]
+                      for m in ("int8", "fp8")})
 EXTRAS = 16  # provisional tokens seen (draft step 16 of 32)
 RATIO = 4.0
 
@@ -232,7 +235,7 @@ def _row(base, kind, method, ms, nbytes, mode, timer) -> dict:
             "timing": mode}
 
 
-def tune(timer, device, gen, context, batch, shape_name, deadline) -> tuple[dict, list]:
+def tune(timer, device, gen, context, batch, shape_name, deadline, configs=None) -> tuple[dict, list]:
     """Per method, the fastest launch (TUNE_CONFIGS x TUNE_VARIANTS, then waves) at one
     combination of one head shape; the search stops where the clock passes ``deadline``."""
     hq, hkv, d = SHAPES[shape_name]
@@ -254,7 +257,7 @@ def tune(timer, device, gen, context, batch, shape_name, deadline) -> tuple[dict
             timed.append((ms, cfg))
             log.append({"shape": shape_name, "method": method, **_launch(cfg), "ms": ms})
 
-        for block_n, warps, stages in TUNE_CONFIGS:
+        for block_n, warps, stages in configs or TUNE_CONFIGS:
             for variant in TUNE_VARIANTS[method]:
                 if time.monotonic() < deadline or not timed:
                     trial(ops.LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, **variant))
@@ -270,7 +273,8 @@ def tune(timer, device, gen, context, batch, shape_name, deadline) -> tuple[dict
 
 def _launch(cfg: ops.LaunchConfig) -> dict:  # unset sizes are ops.MEASURED_LAUNCH's for the method
     return {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "fold": cfg.fold,
-            "unpack": cfg.unpack, "waves": cfg.waves, "half": cfg.half}
+            "unpack": cfg.unpack, "waves": cfg.waves, "half": cfg.half,
+            "asm": cfg.asm}
 
 
 # ---------------------------------------------------------------- the layer loader
@@ -390,6 +394,8 @@ def main() -> None:
     ap.add_argument("--tune-budget-s", type=float, default=150, help="stop the launch search after this")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per measurement (median)")
     ap.add_argument("--no-tune", action="store_true", help="skip the launch-size search")
+    ap.add_argument("--tune-configs", nargs="*", metavar="BN,WARPS,STAGES",
+                    help="the launch sizes to search (default: TUNE_CONFIGS)")
     ap.add_argument("--no-loader", action="store_true", help="skip the host -> device loader measurement")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (CPU: TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -411,7 +417,8 @@ def main() -> None:
         for i, shape_name in enumerate(SHAPES):  # each shape its share of the tuning budget
             deadline = started + args.tune_budget_s * (i + 1) / len(SHAPES)
             try:
-                best, log = tune(timer, device, gen, 32768, 8, shape_name, deadline)
+                sizes = [tuple(int(x) for x in c.split(",")) for c in args.tune_configs] if args.tune_configs else None
+                best, log = tune(timer, device, gen, 32768, 8, shape_name, deadline, sizes)
                 configs[shape_name].update(best)
                 result["tuning"] += log
             except Exception as exc:  # noqa: BLE001 - measure with the defaults instead

@@ -299,6 +299,18 @@ def _launch_variants() -> list[Case]:
         _method_case("fp8", {"scale": "head"}, Shape((29, 66, 3), dtype=b16, q_gain=3e5), 2, half=True),
         _method_case("fp8", {"scale": "head"}, Shape((29, 66, 3), group=1, dtype=b16), 2, half=True),
     ]
+    # compiled, half products decode codes with inline PTX (asm=2, the default; the
+    # interpreter runs the Triton code, asm=0): asm 0 and 1 compiled too
+    cases += [_method_case(*row, interpret=False, half=True, asm=1) for row in (
+        ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
+        ("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1),
+    )]
+    cases += [_method_case(*row, interpret=False, half=True, asm=0) for row in (
+        ("kivi4", KIVI, Shape((37, 70, 5), dtype=b16), 2),
+        ("kivi2", {"group_size": 32, "residual_length": 0}, Shape((70, 9), head_dim=128, dtype=f16), 2),
+        ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
+        ("fp8", {"scale": "head"}, Shape((29, 66, 3), dtype=b16, q_gain=3e5), 2),
+    )]
     half_kivi = [
         ("kivi2", {"group_size": 32, "residual_length": 16}, Shape((100, 49), head_dim=128, dtype=b16), 1),
         ("kivi4", KIVI, Shape((37, 70, 5), dtype=f16), 2),

@@ -57,6 +57,12 @@ class LaunchConfig:
     # fp16 and multiply in fp16 (a bf16 query scaled by a power of two into fp16's range),
     # instead of fp32 dequantization rounded to the entry dtype. None: MEASURED_HALF[format]
     half: Optional[bool] = None
+    # compiled half products decode the codes with inline PTX (byte permutes, masks,
+    # sub.f16x2, two fp16 lanes an instruction): 2 reads int8 / fp8 codes as 32-bit words and
+    # decodes them where they are loaded (KIVI: as 1); 1 decodes codes as Triton lays them out
+    # (int8 / fp8 of V then cross shared memory byte by byte); 0 the Triton code the
+    # interpreter runs
+    asm: int = 2
 
 
 # (block_n, num_warps, num_stages) per format, the fastest bench_kernels.py found on an H200
@@ -205,7 +211,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         KMODE=kmode if kmode != 2 or config.unpack == 0 else 0,
         HEAD_SCALE=packed.head_scale, INDEXED=packed.indices is not None, ROUND=rnd, DOT=dot,
         FOLD=folds(config, packed, q.dtype) or (half and packed.fmt != FMT_KIVI), UNPACK=config.unpack, HALF=half,
-        Q_BF16=q.dtype == torch.bfloat16,
+        Q_BF16=q.dtype == torch.bfloat16, ASM=config.asm if half and q.device.type == "cuda" and not interpreting() else 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return _combine(m, l, acc, q.dtype, return_lse)

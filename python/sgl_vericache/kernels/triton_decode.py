@@ -65,6 +65,186 @@ def _codes_float(c, HALF: tl.constexpr):
         return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
+# Inline PTX for compiled half products (ASM): four codes a 32-bit register, turned into
+# f16x2 pairs by byte permutes and masks (int8 and KIVI: the 1024 + code trick of
+# _codes_float, two lanes an instruction). The interpreter runs the Triton twins
+# (_codes_float, _int8_codes, _fp8_e4m3_to_f16); the compiled kernel checks compare both.
+_INT8_F16_PTX = tl.constexpr("""{
+.reg .b32 x, k, c;
+xor.b32 x, $2, 0x80808080;
+mov.b32 k, 0x64646464;
+prmt.b32 $0, x, k, 0x4140;
+prmt.b32 $1, x, k, 0x4342;
+mov.b32 c, 0x64806480;
+sub.f16x2 $0, $0, c;
+sub.f16x2 $1, $1, c;
+}""")
+
+# fp8 e4m3 -> fp16 equal to the value times 2^-8 (as _fp8_e4m3_to_f16): each byte into the
+# high byte of a half, the sign kept at bit 15 and the 7 magnitude bits shifted down by one
+_FP8_F16_PTX = tl.constexpr("""{
+.reg .b32 t, u, z;
+mov.b32 z, 0;
+prmt.b32 t, $2, z, 0x1404;
+prmt.b32 u, $2, z, 0x3424;
+shr.u32 $0, t, 1;
+and.b32 $0, $0, 0x3F803F80;
+and.b32 t, t, 0x80008000;
+or.b32 $0, $0, t;
+shr.u32 $1, u, 1;
+and.b32 $1, $1, 0x3F803F80;
+and.b32 u, u, 0x80008000;
+or.b32 $1, $1, u;
+}""")
+
+# int8 / fp8 codes read as 32-bit words (four codes each), two words an instance: output k
+# is the pair (code k of word 0, code k of word 1). Decoding whole words in the loaded layout
+# keeps Triton from moving the decode after the operand shuffle of P @ V, where each code
+# would be read from shared memory byte by byte.
+_INT8_WORDS_PTX = tl.constexpr("""{
+.reg .b32 a, b, t, m, o, c;
+xor.b32 a, $4, 0x80808080;
+xor.b32 b, $5, 0x80808080;
+mov.b32 m, 0x00FF00FF;
+mov.b32 o, 0x64006400;
+mov.b32 c, 0x64806480;
+prmt.b32 t, a, b, 0x4400;
+lop3.b32 $0, t, m, o, 0xEA;
+prmt.b32 t, a, b, 0x5511;
+lop3.b32 $1, t, m, o, 0xEA;
+prmt.b32 t, a, b, 0x6622;
+lop3.b32 $2, t, m, o, 0xEA;
+prmt.b32 t, a, b, 0x7733;
+lop3.b32 $3, t, m, o, 0xEA;
+sub.f16x2 $0, $0, c;
+sub.f16x2 $1, $1, c;
+sub.f16x2 $2, $2, c;
+sub.f16x2 $3, $3, c;
+}""")
+
+_FP8_WORDS_PTX = tl.constexpr("""{
+.reg .b32 t, s;
+prmt.b32 t, $4, $5, 0x4000;
+shr.u32 s, t, 1;
+and.b32 s, s, 0x3F803F80;
+and.b32 t, t, 0x80008000;
+or.b32 $0, s, t;
+prmt.b32 t, $4, $5, 0x5010;
+shr.u32 s, t, 1;
+and.b32 s, s, 0x3F803F80;
+and.b32 t, t, 0x80008000;
+or.b32 $1, s, t;
+prmt.b32 t, $4, $5, 0x6020;
+shr.u32 s, t, 1;
+and.b32 s, s, 0x3F803F80;
+and.b32 t, t, 0x80008000;
+or.b32 $2, s, t;
+prmt.b32 t, $4, $5, 0x7030;
+shr.u32 s, t, 1;
+and.b32 s, s, 0x3F803F80;
+and.b32 t, t, 0x80008000;
+or.b32 $3, s, t;
+}""")
+
+# KIVI: byte j of a row holds 8 / BITS codes, the first in the low bits; output s is the code
+# at shift s * BITS of each byte, as fp16
+_KIVI4_F16_PTX = tl.constexpr("""{
+.reg .b32 u, v, t, m, o, z;
+mov.b32 z, 0;
+mov.b32 m, 0x000F000F;
+mov.b32 o, 0x64006400;
+prmt.b32 u, $4, z, 0x4140;
+prmt.b32 v, $4, z, 0x4342;
+lop3.b32 $0, u, m, o, 0xEA;
+lop3.b32 $1, v, m, o, 0xEA;
+shr.u32 t, u, 4;
+lop3.b32 $2, t, m, o, 0xEA;
+shr.u32 t, v, 4;
+lop3.b32 $3, t, m, o, 0xEA;
+sub.f16x2 $0, $0, o;
+sub.f16x2 $1, $1, o;
+sub.f16x2 $2, $2, o;
+sub.f16x2 $3, $3, o;
+}""")
+
+_KIVI2_F16_PTX = tl.constexpr("""{
+.reg .b32 u, v, t, m, o, z;
+mov.b32 z, 0;
+mov.b32 m, 0x00030003;
+mov.b32 o, 0x64006400;
+prmt.b32 u, $8, z, 0x4140;
+prmt.b32 v, $8, z, 0x4342;
+lop3.b32 $0, u, m, o, 0xEA;
+lop3.b32 $1, v, m, o, 0xEA;
+shr.u32 t, u, 2;
+lop3.b32 $2, t, m, o, 0xEA;
+shr.u32 t, v, 2;
+lop3.b32 $3, t, m, o, 0xEA;
+shr.u32 t, u, 4;
+lop3.b32 $4, t, m, o, 0xEA;
+shr.u32 t, v, 4;
+lop3.b32 $5, t, m, o, 0xEA;
+shr.u32 t, u, 6;
+lop3.b32 $6, t, m, o, 0xEA;
+shr.u32 t, v, 6;
+lop3.b32 $7, t, m, o, 0xEA;
+sub.f16x2 $0, $0, o;
+sub.f16x2 $1, $1, o;
+sub.f16x2 $2, $2, o;
+sub.f16x2 $3, $3, o;
+sub.f16x2 $4, $4, o;
+sub.f16x2 $5, $5, o;
+sub.f16x2 $6, $6, o;
+sub.f16x2 $7, $7, o;
+}""")
+
+
+@triton.jit
+def _int8_f16_asm(raw):
+    """int8 codes -> exact fp16 (compiled only)."""
+    return tl.inline_asm_elementwise(_INT8_F16_PTX, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _fp8_f16_asm(raw):
+    """uint8 e4m3 bit patterns -> fp16 of 2^-8 times their value, exactly (compiled only)."""
+    return tl.inline_asm_elementwise(_FP8_F16_PTX, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _words_f16_asm(data_ptr, tok, h, H, valid, FMT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """[BN, D] int8 / fp8 codes of rows tok as fp16 (fp8: 2^-8 of the value), read as
+    32-bit words and decoded four codes a word (compiled only)."""
+    w = tl.arange(0, D // 4)
+    words = tl.load(data_ptr.to(tl.pointer_type(tl.int32)) + ((tok * H + h) * (D // 4))[:, None] + w[None, :],
+                    mask=valid[:, None], other=0)
+    if FMT == 2:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(_INT8_WORDS_PTX, "=r,=r,=r,=r,r,r", [words],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=2)
+    else:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(_FP8_WORDS_PTX, "=r,=r,=r,=r,r,r", [words],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=2)
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BN, D))
+
+
+@triton.jit
+def _kivi_f16_asm(b, BITS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """[BN, D*BITS/8] uint8 packed KIVI bytes -> [BN, D] fp16 codes in channel order (compiled
+    only; the same join order as _unpack_codes)."""
+    if BITS == 4:
+        lo, hi = tl.inline_asm_elementwise(_KIVI4_F16_PTX, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=4)
+        x = tl.join(lo, hi)
+    else:
+        s0, s1, s2, s3 = tl.inline_asm_elementwise(_KIVI2_F16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=4)
+        x = tl.join(tl.join(s0, s2), tl.join(s1, s3))
+    return tl.reshape(x, (BN, D))
+
+
 @triton.jit
 def _half_query(q, RESCALE: tl.constexpr):
     """(q16, unit) for fp16 products. RESCALE (a bf16 query): q times a power of two that
@@ -175,12 +355,19 @@ def _int8_codes(raw, HALF: tl.constexpr):
 
 
 @triton.jit
-def _load_codes(data_ptr, tok, h, H, valid, FMT: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
+def _load_codes(data_ptr, tok, h, H, valid, FMT: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                ASM: tl.constexpr = 0, BN: tl.constexpr = 16):
     """int8 or fp8 codes of rows tok as exact fp32 values (no scale applied); HALF: fp16,
     fp8 ones 2^-8 times the code (the caller multiplies the scale by 256)."""
+    if HALF and ASM == 2:
+        return _words_f16_asm(data_ptr, tok, h, H, valid, FMT, BN, D)
     raw = _load_dense(data_ptr, tok, h, H, valid, D)
-    if FMT == 2:
+    if FMT == 2 and HALF and ASM:
+        return _int8_f16_asm(raw)
+    elif FMT == 2:
         return _int8_codes(raw, HALF)
+    elif HALF and ASM:
+        return _fp8_f16_asm(raw)
     elif HALF:
         return _fp8_e4m3_to_f16(raw)
     else:
@@ -245,7 +432,7 @@ def _kivi_values(codes, s_ptr, z_ptr, tok, h, H, valid, CGROUP: tl.constexpr, BN
 def _load_main(data_ptr, s_ptr, z_ptr, tok, tok0, entry, h, H, valid,
                FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
                HEAD_SCALE: tl.constexpr, IS_KEY: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr,
-               BN: tl.constexpr, D: tl.constexpr):
+               BN: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr = 0):
     """[BN, D] fp32 (or stored dtype for dense; fp16 for KIVI with HALF) keys/values of the
     main segment; tok0 is the block's first row (blocks start on multiples of BN within an
     entry). UNPACK (KIVI): 0 unpacks a row's bytes with join / reshape, 1 gathers each
@@ -259,7 +446,10 @@ def _load_main(data_ptr, s_ptr, z_ptr, tok, tok0, entry, h, H, valid,
             j = tl.arange(0, D * BITS // 8)
             b = tl.load(data_ptr + ((tok * H + h) * (D * BITS // 8))[:, None] + j[None, :], mask=valid[:, None],
                         other=0)
-            codes = _codes_float(_unpack_codes(b.to(tl.int32), BITS, BN, D), HALF)
+            if HALF and ASM:
+                codes = _kivi_f16_asm(b, BITS, BN, D)
+            else:
+                codes = _codes_float(_unpack_codes(b.to(tl.int32), BITS, BN, D), HALF)
         if IS_KEY:
             x = _kivi_keys(codes, s_ptr, z_ptr, tok, tok0, h, H, valid, QGROUP, KMODE, BN, D)
         elif UNPACK == 1:
@@ -306,7 +496,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
     FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
     HEAD_SCALE: tl.constexpr, INDEXED: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
-    FOLD: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr, Q_BF16: tl.constexpr,
+    FOLD: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr, Q_BF16: tl.constexpr, ASM: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -344,10 +534,10 @@ def _decode_split_kernel(
                 if FMT == 3:  # fp16 fp8 codes are 2^-8 of the value
                     k_scale = k_scale * 256.0
                     v_scale = v_scale * 256.0
-                k = _load_codes(k_ptr, tok, h, H, valid, FMT, D, True)
+                k = _load_codes(k_ptr, tok, h, H, valid, FMT, D, True, ASM, BN)
                 s = _mm(qh, tl.trans(k), 1) * (k_scale * main_scale)[None, :]
                 s = tl.where(valid[None, :], s, float("-inf"))
-                v = _load_codes(v_ptr, tok, h, H, valid, FMT, D, True)
+                v = _load_codes(v_ptr, tok, h, H, valid, FMT, D, True, ASM, BN)
                 m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, 1)
             else:
                 k = _dot_in(_load_codes(k_ptr, tok, h, H, valid, FMT, D, False), DOT)
@@ -357,11 +547,11 @@ def _decode_split_kernel(
                 m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, DOT)
         elif HALF:  # KIVI dequantized in fp16
             k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,
-                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, UNPACK, True, BN, D)
+                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, UNPACK, True, BN, D, ASM)
             s = _mm(qh, tl.trans(k), 1) * main_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
-                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, UNPACK, True, BN, D)
+                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, UNPACK, True, BN, D, ASM)
             m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, 1)
         else:
             k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,

@@ -1,0 +1,174 @@
+"""Where the draft kernels spend their time, on a GPU: compiled code and hardware counters.
+
+    python benchmark/profile_kernels.py --out DIR            # on a CUDA machine, ~1-2 minutes
+
+For a few launches at Llama-3-8B heads, 32k x 8, bf16 (the issue-27 target combination):
+times each (CUDA events, median of 20), keeps what Triton compiled for it (TTGIR, PTX and,
+where cuobjdump is installed, SASS) with a histogram of the SASS opcodes of the kernel, and,
+where Nsight Compute (``ncu``) is installed and allowed to read counters, runs each launch once
+under it (speed of light, warp stalls, instruction mix). Everything goes to DIR, summed up in
+DIR/profile_kernels.json. Not part of any test: a tool for the lent GPU sessions, run from
+scripts/gpu_check.sh when time is left, or on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# each launch compiles into a cache of its own, so its files can be told apart
+CACHE_ROOT = Path(os.environ.get("VERICACHE_PROFILE_CACHE") or tempfile.mkdtemp(prefix="vc_triton_"))
+
+LAUNCHES = {  # name -> (method, LaunchConfig fields)
+    "int8": ("int8", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": False}),
+    "int8_half": ("int8", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True}),
+    "kivi4": ("kivi4", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": False}),
+    "kivi4_half": ("kivi4", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True}),
+    "kivi2_half": ("kivi2", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True}),
+    "fp8_half": ("fp8", {"block_n": 32, "num_warps": 4, "num_stages": 3, "half": True}),
+    "droppers": ("droppers", {}),
+}
+
+
+def _child_env(name: str) -> dict:
+    return {**os.environ, "TRITON_CACHE_DIR": str(CACHE_ROOT / name)}
+
+
+def run_child(name: str, reps: int, timeout: float) -> float:
+    """One launch compiled and timed in a process of its own (its own Triton cache)."""
+    done = subprocess.run([sys.executable, __file__, "--child", name, "--reps", str(reps)], env=_child_env(name),
+                          capture_output=True, text=True, timeout=timeout)
+    found = re.search(r"^ms (\S+)$", done.stdout, re.M)
+    if done.returncode != 0 or not found:
+        raise RuntimeError((done.stdout + done.stderr)[-300:])
+    return float(found.group(1))
+
+
+def run_one(name: str, reps: int = 20) -> float:
+    """Compile and time one launch; the median ms."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
+    import bench_kernels as bk
+    from sgl_vericache.kernels import ops
+    method, fields = LAUNCHES[name]
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    hq, hkv, d = bk.SHAPES["llama3-8b"]
+    packed = bk.synth_entry(method, 8, 32768, hkv, d, device, gen)
+    q = bk._rand((8, hq, d), torch.bfloat16, device, gen)
+    ke, ve = (bk._rand((8, 32, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
+    fn = bk._draft_call(packed, q, ke, ve, ops.LaunchConfig(**fields))
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _sass(cubin: Path) -> str | None:
+    tool = shutil.which("cuobjdump") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/cuobjdump")), None)
+    if not tool:
+        return None
+    done = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, timeout=60)
+    return done.stdout if done.returncode == 0 else None
+
+
+def opcode_histogram(sass: str) -> dict:
+    """Opcode (without modifiers) -> count over the whole kernel."""
+    counts = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            counts[m.group(1)] += 1
+    return dict(counts.most_common())
+
+
+def collect(name: str, out: Path) -> dict:
+    """Copy what Triton compiled for ``name`` into out/name/ and sum up its SASS."""
+    got = {}
+    dest = out / name
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in sorted((CACHE_ROOT / name).rglob("*")):
+        if path.suffix in (".ttgir", ".ptx", ".json") and "decode_split" in path.name:
+            shutil.copy(path, dest / path.name)
+        if path.suffix == ".cubin" and "decode_split" in path.name:
+            sass = _sass(path)
+            if sass:
+                (dest / (path.stem + ".sass")).write_text(sass)
+                got["sass_opcodes"] = opcode_histogram(sass)
+                got["sass_lines"] = sum(got["sass_opcodes"].values())
+    got["files"] = sorted(p.name for p in dest.iterdir())
+    return got
+
+
+def ncu(names: list[str], out: Path, limit_s: float) -> dict:
+    tool = shutil.which("ncu") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/ncu")), None)
+    if not tool:
+        return {"skipped": "ncu not installed"}
+    results = {}
+    deadline = time.monotonic() + limit_s
+    for name in names:
+        left = deadline - time.monotonic()
+        if left < 20:
+            results[name] = {"skipped": "time"}
+            continue
+        cmd = [tool, "--kernel-name", "regex:_decode_split_kernel", "--launch-count", "1",
+               "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section", "ComputeWorkloadAnalysis",
+               "--section", "InstructionStats", "--section", "Occupancy", "--section", "LaunchStats",
+               "--section", "MemoryWorkloadAnalysis", sys.executable, __file__, "--child", name, "--reps", "1"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=_child_env(name))
+            text, rc = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as exc:
+            text, rc = f"timeout: {exc}", None
+        (out / f"ncu_{name}.txt").write_text(text)
+        results[name] = {"rc": rc, "chars": len(text), "tail": text[-300:]}
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "profile")
+    ap.add_argument("--only", nargs="*", default=list(LAUNCHES), choices=list(LAUNCHES))
+    ap.add_argument("--ncu-s", type=float, default=120, help="time for the Nsight Compute runs (0: none)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # one launch, in its own process
+    ap.add_argument("--reps", type=int, default=20, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    if args.child:
+        print(f"ms {run_one(args.child, reps=args.reps)}")
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {"launches": {k: LAUNCHES[k] for k in args.only}, "results": {}}
+    for name in args.only:
+        try:
+            ms = run_child(name, 20, 120)
+            summary["results"][name] = {"ms": ms, **collect(name, args.out)}
+            print(f"{name}: {ms:.3f} ms, {summary['results'][name].get('sass_lines')} SASS lines", flush=True)
+        except Exception as exc:  # noqa: BLE001 - one failing launch does not stop the others
+            summary["results"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            print(f"{name}: {summary['results'][name]['error']}", flush=True)
+    if args.ncu_s > 0:
+        summary["ncu"] = ncu(args.only, args.out, args.ncu_s)
+    (args.out / "profile_kernels.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {args.out / 'profile_kernels.json'}")
+
+
+if __name__ == "__main__":
+    main()
