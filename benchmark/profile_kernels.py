@@ -6,9 +6,11 @@ For a few launches at Llama-3-8B heads, 32k x 8, bf16 (the issue-27 target combi
 times each (CUDA events, median of 20), keeps what Triton compiled for it (TTGIR, PTX and,
 where cuobjdump is installed, SASS) with a histogram of the SASS opcodes of the kernel, and,
 where Nsight Compute (``ncu``) is installed and allowed to read counters, runs each launch once
-under it (speed of light, warp stalls, instruction mix). Everything goes to DIR, summed up in
-DIR/profile_kernels.json. Not part of any test: a tool for the lent GPU sessions, run from
-scripts/gpu_check.sh when time is left, or on its own.
+under it (speed of light, warp stalls, instruction mix). Everything goes to DIR: the ncu reports
+as text, the compiled files in DIR/compiled.tgz, a summary in DIR/profile_kernels.json. First
+run on the H200 at 1348b4a: benchmark/results/gpu_h200/ncu_1348b4a/ (the launches were
+then those below without the _asm ones). Not part of any test or of scripts/gpu_check.sh:
+a tool for a lent GPU session with device time left (~2 minutes).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -31,11 +34,13 @@ CACHE_ROOT = Path(os.environ.get("VERICACHE_PROFILE_CACHE") or tempfile.mkdtemp(
 
 LAUNCHES = {  # name -> (method, LaunchConfig fields)
     "int8": ("int8", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": False}),
-    "int8_half": ("int8", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True}),
+    "int8_half": ("int8", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 0}),
+    "int8_half_asm": ("int8", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 1}),
     "kivi4": ("kivi4", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": False}),
-    "kivi4_half": ("kivi4", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True}),
-    "kivi2_half": ("kivi2", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True}),
-    "fp8_half": ("fp8", {"block_n": 32, "num_warps": 4, "num_stages": 3, "half": True}),
+    "kivi4_half": ("kivi4", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 0}),
+    "kivi4_half_asm": ("kivi4", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 1}),
+    "kivi2_half": ("kivi2", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 0}),
+    "fp8_half": ("fp8", {"block_n": 32, "num_warps": 4, "num_stages": 3, "half": True, "asm": 0}),
     "droppers": ("droppers", {}),
 }
 
@@ -166,6 +171,12 @@ def main() -> None:
             print(f"{name}: {summary['results'][name]['error']}", flush=True)
     if args.ncu_s > 0:
         summary["ncu"] = ncu(args.only, args.out, args.ncu_s)
+    # one archive for the compiled files: the device tool brings back only so many files
+    with tarfile.open(args.out / "compiled.tgz", "w:gz") as tar:
+        for name in args.only:
+            if (args.out / name).is_dir():
+                tar.add(args.out / name, arcname=name)
+                shutil.rmtree(args.out / name)
     (args.out / "profile_kernels.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {args.out / 'profile_kernels.json'}")
 

@@ -299,6 +299,14 @@ def _launch_variants() -> list[Case]:
         _method_case("fp8", {"scale": "head"}, Shape((29, 66, 3), dtype=b16, q_gain=3e5), 2, half=True),
         _method_case("fp8", {"scale": "head"}, Shape((29, 66, 3), group=1, dtype=b16), 2, half=True),
     ]
+    # half products are the default for half entries (ops.MEASURED_HALF): the fp32
+    # dequantization they replace, for half entries, stays covered
+    cases += [_method_case(*row, half=False) for row in (
+        ("kivi4", KIVI, Shape((37, 70, 5), dtype=b16), 2),
+        ("kivi2", {"group_size": 16, "residual_length": 16}, Shape((50, 33), head_dim=128, dtype=f16), 1),
+        ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
+        ("fp8", {"scale": "token"}, Shape((29, 66, 3), dtype=b16), 2),
+    )]
     # compiled, half products decode codes with inline PTX (asm=2, the default; the
     # interpreter runs the Triton code, asm=0): asm 0 and 1 compiled too
     cases += [_method_case(*row, interpret=False, half=True, asm=1) for row in (

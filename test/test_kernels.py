@@ -187,3 +187,25 @@ def test_unset_launch_sizes_come_from_the_measured_table():
     assert (got.block_n, got.num_warps, got.num_stages) == ops.MEASURED_LAUNCH[FMT_KIVI]
     got = ops.launch_for(ops.LaunchConfig(block_n=16, num_stages=1), FMT_INT8)
     assert (got.block_n, got.num_warps, got.num_stages) == (16, ops.MEASURED_LAUNCH[FMT_INT8][1], 1)
+
+
+def test_half_products_apply_to_half_quantized_entries_under_half_queries():
+    from sgl_vericache.kernels import ops
+    from sgl_vericache.kernels.packing import FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI
+
+    class Packed:  # the two fields halves() reads
+        def __init__(self, fmt, dtype):
+            self.fmt, self.dtype = fmt, dtype
+
+    b16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    on = ops.LaunchConfig(half=True)
+    for fmt in (FMT_KIVI, FMT_INT8, FMT_FP8):
+        assert ops.halves(on, Packed(fmt, b16), b16) and ops.halves(on, Packed(fmt, f16), b16)
+        assert not ops.halves(on, Packed(fmt, f32), b16)  # fp32 entries: fp32 dequantization
+        assert not ops.halves(on, Packed(fmt, b16), f32)  # an fp32 query: fp32 products
+        assert not ops.halves(ops.LaunchConfig(half=False), Packed(fmt, b16), b16)
+    assert not ops.halves(on, Packed(FMT_DENSE, b16), b16)  # nothing to decode
+    # unset: the measured default per format; set: as given
+    for fmt in (FMT_KIVI, FMT_INT8, FMT_FP8):
+        assert ops.launch_for(ops.LaunchConfig(), fmt).half is ops.MEASURED_HALF[fmt]
+        assert ops.launch_for(ops.LaunchConfig(half=False), fmt).half is False

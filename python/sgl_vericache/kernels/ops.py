@@ -58,22 +58,23 @@ class LaunchConfig:
     # instead of fp32 dequantization rounded to the entry dtype. None: MEASURED_HALF[format]
     half: Optional[bool] = None
     # compiled half products decode the codes with inline PTX (byte permutes, masks,
-    # sub.f16x2, two fp16 lanes an instruction): 2 reads int8 / fp8 codes as 32-bit words and
-    # decodes them where they are loaded (KIVI: as 1); 1 decodes codes as Triton lays them out
-    # (int8 / fp8 of V then cross shared memory byte by byte); 0 the Triton code the
-    # interpreter runs
-    asm: int = 2
+    # sub.f16x2, two fp16 lanes an instruction): 1 decodes codes as Triton lays them out; 2
+    # reads int8 / fp8 codes as 32-bit words and decodes them where they are loaded (fewer
+    # instructions with the venv's Triton, but 8% slower than 1 on the H200's Triton 3.6;
+    # KIVI: as 1); 0 the Triton code the interpreter runs (5-12% slower than 1 on the H200)
+    asm: int = 1
 
 
 # (block_n, num_warps, num_stages) per format, the fastest bench_kernels.py found on an H200
 # at 32k x 8 for both Llama-3-8B and Llama-70B/TP8 heads (benchmark/results/gpu_h200/:
-# edf012c for dense and Quest, 1ced50f for the quantizers)
-MEASURED_LAUNCH = {FMT_DENSE: (32, 4, 2), FMT_KIVI: (64, 4, 3), FMT_INT8: (32, 4, 3), FMT_FP8: (32, 4, 2),
+# edf012c for dense and Quest, 1348b4a and e399a85 for the quantizers)
+MEASURED_LAUNCH = {FMT_DENSE: (32, 4, 2), FMT_KIVI: (32, 2, 3), FMT_INT8: (32, 2, 3), FMT_FP8: (32, 2, 3),
                    "quest": (64, 4, 2)}
 
-
-# whether half products are the faster default per format (see LaunchConfig.half)
-MEASURED_HALF = {FMT_KIVI: False, FMT_INT8: False, FMT_FP8: False}
+# whether half products are the default per format (see LaunchConfig.half): on the H200 at
+# 32k x 8 they took KIVI4 from 314 to 260 us (Llama-3-8B), int8 from 313 to 238 us, fp8
+# from 45 to 37 us (Llama-70B/TP8; Llama-3-8B's fp8 half launch was not reached by the search)
+MEASURED_HALF = {FMT_KIVI: True, FMT_INT8: True, FMT_FP8: True}
 
 
 @functools.lru_cache(maxsize=64)
