@@ -51,17 +51,18 @@ COMBOS = [(32768, 8), (131072, 8), (32768, 32), (8192, 8), (131072, 32), (8192, 
           (131072, 1), (8192, 1)]
 METHODS = {"kivi4": {"group_size": 32, "residual_length": 128}, "kivi2": {"group_size": 32, "residual_length": 128},
            "int8": {}, "fp8": {"scale": "head"}, "droppers": {}, "quest": {}}
-# the launch search, per head shape at 32k x 8, for the quantizers: (block_n, num_warps,
-# num_stages) x the method's variants (half products or fp32 dequantization), interleaved so
-# a short budget still tries every variant (half products with the codes decoded by inline
-# PTX, the default, or by Triton code), then the best at 1 and 4 waves of programs
-# instead of 2. The droppers' and Quest's sizes were searched at edf012c and 1ced50f and are
-# ops.MEASURED_LAUNCH's. (Not searched any more: KIVI's gather unpacking, unpack=1, 10-20x
-# slower; int8 / fp8 unfolded, fold=False, 0.7x of folded at edf012c.)
-TUNE_CONFIGS = [(64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 2, 3), (32, 2, 3)]
+# the launch search, per head shape at 32k x 8: (block_n, num_warps, num_stages) x the
+# method's variants (quantizers: half products or fp32 dequantization, and how the codes are
+# decoded), interleaved so a short budget still tries every variant, then the best at 1 and 4
+# waves of programs instead of 2. The droppers are searched too (their 70B/TP8 launch is small
+# and split-bound); Quest keeps ops.MEASURED_LAUNCH. (Not searched any more: KIVI's gather
+# unpacking, unpack=1, 10-20x slower; int8 / fp8 unfolded, fold=False, 0.7x of folded at
+# edf012c.)
+TUNE_CONFIGS = [(32, 2, 3), (64, 4, 3), (32, 4, 2), (128, 4, 2), (64, 2, 3)]
 TUNE_VARIANTS = {m: [{"half": False}, {"half": True}, {"half": True, "asm": 0}] for m in ("kivi4", "kivi2")}
-TUNE_VARIANTS.update({m: [{"half": False}, {"half": True}, {"half": True, "asm": 1}, {"half": True, "asm": 0}]
+TUNE_VARIANTS.update({m: [{"half": False}, {"half": True}, {"half": True, "asm": 2}, {"half": True, "asm": 0}]
                       for m in ("int8", "fp8")})
+TUNE_VARIANTS["droppers"] = [{}]
 EXTRAS = 16  # provisional tokens seen (draft step 16 of 32)
 RATIO = 4.0
 
@@ -237,14 +238,16 @@ def _row(base, kind, method, ms, nbytes, mode, timer) -> dict:
 
 def tune(timer, device, gen, context, batch, shape_name, deadline, configs=None) -> tuple[dict, list]:
     """Per method, the fastest launch (TUNE_CONFIGS x TUNE_VARIANTS, then waves) at one
-    combination of one head shape; the search stops where the clock passes ``deadline``."""
+    combination of one head shape; each method gets an equal share of the time to
+    ``deadline``, and at least one trial."""
     hq, hkv, d = SHAPES[shape_name]
     q = _rand((batch, hq, d), torch.bfloat16, device, gen)
     ke, ve = (_rand((batch, 32, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
     best, log = {}, []
-    for method in METHODS:
-        if method not in TUNE_VARIANTS:
-            continue
+    tuned = [m for m in METHODS if m in TUNE_VARIANTS]
+    for i, method in enumerate(tuned):
+        # each method an equal share of the time left, so the last ones are searched too
+        until = time.monotonic() + max(0.0, deadline - time.monotonic()) / (len(tuned) - i)
         packed = synth_entry(method, batch, context, hkv, d, device, gen)
         timed = []
 
@@ -259,12 +262,12 @@ def tune(timer, device, gen, context, batch, shape_name, deadline, configs=None)
 
         for block_n, warps, stages in configs or TUNE_CONFIGS:
             for variant in TUNE_VARIANTS[method]:
-                if time.monotonic() < deadline or not timed:
+                if time.monotonic() < until or not timed:
                     trial(ops.LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, **variant))
         if timed:
             top = min(timed, key=lambda t: t[0])[1]
             for waves in (1, 4):
-                if time.monotonic() < deadline:
+                if time.monotonic() < until:
                     trial(dataclasses.replace(top, waves=waves))
             best[method] = min(timed, key=lambda t: t[0])[1]
         del packed
