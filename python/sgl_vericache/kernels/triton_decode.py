@@ -101,102 +101,43 @@ or.b32 $1, $1, u;
 # is the pair (code k of word 0, code k of word 1). Decoding whole words in the loaded layout
 # keeps Triton from moving the decode after the operand shuffle of P @ V, where each code
 # would be read from shared memory byte by byte.
-_INT8_WORDS_PTX = tl.constexpr("""{
-.reg .b32 a, b, t, m, o, c;
-xor.b32 a, $4, 0x80808080;
-xor.b32 b, $5, 0x80808080;
-mov.b32 m, 0x00FF00FF;
-mov.b32 o, 0x64006400;
-mov.b32 c, 0x64806480;
-prmt.b32 t, a, b, 0x4400;
-lop3.b32 $0, t, m, o, 0xEA;
-prmt.b32 t, a, b, 0x5511;
-lop3.b32 $1, t, m, o, 0xEA;
-prmt.b32 t, a, b, 0x6622;
-lop3.b32 $2, t, m, o, 0xEA;
-prmt.b32 t, a, b, 0x7733;
-lop3.b32 $3, t, m, o, 0xEA;
-sub.f16x2 $0, $0, c;
-sub.f16x2 $1, $1, c;
-sub.f16x2 $2, $2, c;
-sub.f16x2 $3, $3, c;
-}""")
+def _words_ptx(fmt: str) -> str:
+    lines = []
+    if fmt == "int8":
+        lines += ["xor.b32 a, $4, 0x80808080;", "xor.b32 b, $5, 0x80808080;", "mov.b32 m, 0x00FF00FF;",
+                  "mov.b32 o, 0x64006400;", "mov.b32 c, 0x64806480;"]
+    for k in range(4):
+        if fmt == "int8":  # byte k of both words, under 0x64 high bytes: 1024 + 128 + code
+            lines += [f"prmt.b32 t, a, b, {hex((4 + k) * 0x1100 + k * 0x11)};", f"lop3.b32 ${k}, t, m, o, 0xEA;"]
+        else:  # byte k of both words into the high byte of each half, then as _FP8_F16_PTX
+            lines += [f"prmt.b32 t, $4, $5, {hex(0x4000 + k * 0x1010)};", "shr.u32 s, t, 1;",
+                      "and.b32 s, s, 0x3F803F80;", "and.b32 t, t, 0x80008000;", f"or.b32 ${k}, s, t;"]
+    if fmt == "int8":
+        lines += [f"sub.f16x2 ${k}, ${k}, c;" for k in range(4)]
+    regs = ".reg .b32 a, b, t, m, o, c;" if fmt == "int8" else ".reg .b32 t, s;"
+    return "\n".join(["{", regs, *lines, "}"])
 
-_FP8_WORDS_PTX = tl.constexpr("""{
-.reg .b32 t, s;
-prmt.b32 t, $4, $5, 0x4000;
-shr.u32 s, t, 1;
-and.b32 s, s, 0x3F803F80;
-and.b32 t, t, 0x80008000;
-or.b32 $0, s, t;
-prmt.b32 t, $4, $5, 0x5010;
-shr.u32 s, t, 1;
-and.b32 s, s, 0x3F803F80;
-and.b32 t, t, 0x80008000;
-or.b32 $1, s, t;
-prmt.b32 t, $4, $5, 0x6020;
-shr.u32 s, t, 1;
-and.b32 s, s, 0x3F803F80;
-and.b32 t, t, 0x80008000;
-or.b32 $2, s, t;
-prmt.b32 t, $4, $5, 0x7030;
-shr.u32 s, t, 1;
-and.b32 s, s, 0x3F803F80;
-and.b32 t, t, 0x80008000;
-or.b32 $3, s, t;
-}""")
 
-# KIVI: byte j of a row holds 8 / BITS codes, the first in the low bits; output s is the code
-# at shift s * BITS of each byte, as fp16
-_KIVI4_F16_PTX = tl.constexpr("""{
-.reg .b32 u, v, t, m, o, z;
-mov.b32 z, 0;
-mov.b32 m, 0x000F000F;
-mov.b32 o, 0x64006400;
-prmt.b32 u, $4, z, 0x4140;
-prmt.b32 v, $4, z, 0x4342;
-lop3.b32 $0, u, m, o, 0xEA;
-lop3.b32 $1, v, m, o, 0xEA;
-shr.u32 t, u, 4;
-lop3.b32 $2, t, m, o, 0xEA;
-shr.u32 t, v, 4;
-lop3.b32 $3, t, m, o, 0xEA;
-sub.f16x2 $0, $0, o;
-sub.f16x2 $1, $1, o;
-sub.f16x2 $2, $2, o;
-sub.f16x2 $3, $3, o;
-}""")
+# KIVI: byte j of a row holds 8 / BITS codes, the first in the low bits; output s (registers
+# 2s and 2s + 1) is the code at shift s * BITS of each byte, as fp16
+def _kivi_ptx(bits: int) -> str:
+    outs = 8 // bits
+    mask = (1 << bits) - 1
+    lines = ["mov.b32 z, 0;", f"mov.b32 m, 0x{mask | mask << 16:08X};", "mov.b32 o, 0x64006400;",
+             f"prmt.b32 u, ${2 * outs}, z, 0x4140;", f"prmt.b32 v, ${2 * outs}, z, 0x4342;"]
+    for out in range(outs):  # bytes 0, 1 (from u) and 2, 3 (from v): code at shift out * bits
+        for reg, src in ((2 * out, "u"), (2 * out + 1, "v")):
+            if out:
+                lines.append(f"shr.u32 t, {src}, {out * bits};")
+            lines.append(f"lop3.b32 ${reg}, {'t' if out else src}, m, o, 0xEA;")
+    lines += [f"sub.f16x2 ${r}, ${r}, o;" for r in range(2 * outs)]
+    return "\n".join(["{", ".reg .b32 u, v, t, m, o, z;", *lines, "}"])
 
-_KIVI2_F16_PTX = tl.constexpr("""{
-.reg .b32 u, v, t, m, o, z;
-mov.b32 z, 0;
-mov.b32 m, 0x00030003;
-mov.b32 o, 0x64006400;
-prmt.b32 u, $8, z, 0x4140;
-prmt.b32 v, $8, z, 0x4342;
-lop3.b32 $0, u, m, o, 0xEA;
-lop3.b32 $1, v, m, o, 0xEA;
-shr.u32 t, u, 2;
-lop3.b32 $2, t, m, o, 0xEA;
-shr.u32 t, v, 2;
-lop3.b32 $3, t, m, o, 0xEA;
-shr.u32 t, u, 4;
-lop3.b32 $4, t, m, o, 0xEA;
-shr.u32 t, v, 4;
-lop3.b32 $5, t, m, o, 0xEA;
-shr.u32 t, u, 6;
-lop3.b32 $6, t, m, o, 0xEA;
-shr.u32 t, v, 6;
-lop3.b32 $7, t, m, o, 0xEA;
-sub.f16x2 $0, $0, o;
-sub.f16x2 $1, $1, o;
-sub.f16x2 $2, $2, o;
-sub.f16x2 $3, $3, o;
-sub.f16x2 $4, $4, o;
-sub.f16x2 $5, $5, o;
-sub.f16x2 $6, $6, o;
-sub.f16x2 $7, $7, o;
-}""")
+
+_INT8_WORDS_PTX = tl.constexpr(_words_ptx("int8"))
+_FP8_WORDS_PTX = tl.constexpr(_words_ptx("fp8"))
+_KIVI4_F16_PTX = tl.constexpr(_kivi_ptx(4))
+_KIVI2_F16_PTX = tl.constexpr(_kivi_ptx(2))
 
 
 @triton.jit
