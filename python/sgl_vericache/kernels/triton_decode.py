@@ -13,8 +13,10 @@ compressed tokens. A row's keys are three segments read in order:
 The main segment is split across ``num_splits`` programs (flash-decoding); the last split
 also reads the two short segments. Partial softmax states go to a small fp32 buffer and
 ``_combine_kernel`` merges them. Dequantized values are rounded to the entry's dtype before
-the products, exactly as ``materialize`` does on the torch path; softmax and accumulation
-are fp32 (scores in the log2 domain).
+the products, exactly as ``materialize`` does on the torch path, or, with half products
+(HALF), computed and multiplied in fp16 (see ops.LaunchConfig.half); softmax and
+accumulation are fp32 (scores in the log2 domain). Codes become floats without conversion
+instructions (_codes_float), compiled by inline PTX where ASM is set.
 """
 
 from __future__ import annotations
