@@ -1,4 +1,4 @@
-"""The draft kernels' inline PTX (kernels/triton_decode.py, compiled half products), run on
+"""The draft kernels' inline PTX (kernels/codes.py, compiled half products), run on
 a CPU by a small emulator of the eight PTX instructions it uses, against the Triton code the
 interpreter runs: every byte value, every lane.
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_vericache.kernels import triton_decode as td
+from sgl_vericache.kernels import codes as td
 
 MASK = 0xFFFFFFFF
 
