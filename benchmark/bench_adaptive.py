@@ -229,9 +229,21 @@ def run_workload(name, engines, tok, cfg, log) -> dict:
             rows[arm]["tok_s"].append(tokens / seconds)
             rows[arm]["seconds"].append(seconds)
             rows[arm]["identical"].append([same, len(outputs)])
-            rows[arm]["counters"].append({k: after[k] - before.get(k, 0) for k in COUNTERS if k in after})
+            rows[arm]["counters"].append(counter_diff(before, after))
             log(f"{name} rep {rep} {arm}: {tokens / seconds:.2f} tok/s, identical {same}/{len(outputs)}")
     return summarize_workload(rows, cfg)
+
+
+def counter_diff(before: dict, after: dict) -> dict:
+    """The controller's counters over one arm's run, with the requests planned per compressor
+    (``compressor_requests``: auto's choices) and the rounds per draft length (``draft_steps``)."""
+    out = {k: after[k] - before.get(k, 0) for k in COUNTERS if k in after}
+    for key in ("compressor_requests", "draft_steps"):
+        now, then = after.get(key) or {}, before.get(key) or {}
+        diff = {k: v - then.get(k, 0) for k, v in now.items() if v - then.get(k, 0)}
+        if diff:
+            out[key] = diff
+    return out
 
 
 def summarize_workload(rows: dict, cfg) -> dict:
