@@ -173,6 +173,7 @@ class Row:
     compressor: str
     draft_len: Optional[int] = None  # its own custom_params draft length (it then always drafts that)
     queued: bool = False  # drafts made ahead wait for it: a round costs it no draft steps
+    remaining: Optional[int] = None  # tokens it may still emit (max_new_tokens less its output), None: unknown
 
 
 @dataclass
@@ -286,6 +287,9 @@ class Costs:
     plain: OnlineLinear = field(default_factory=lambda: OnlineLinear([0.05, 0.015, 0.011]))
     verify: OnlineLinear = field(default_factory=lambda: OnlineLinear([0.06, 0.004, 0.013, 0.0003]))
     draft: DraftCost = None
+    setup_per_row: float = 0.0  # seconds a round spends bringing one row's compressed entry up to date, steady
+
+    SETUP_RATE = 0.2
 
     def __post_init__(self):
         if self.draft is None:
@@ -302,7 +306,18 @@ class Costs:
 
     def round_seconds(self, rows: Sequence[Row], draft_len: int) -> float:
         drafting = [r for r in rows if not r.queued]
-        return draft_len * self.draft.predict(drafting) + self.verify.predict(self.verify_x(rows, draft_len + 1))
+        return (draft_len * self.draft.predict(drafting) + self.verify.predict(self.verify_x(rows, draft_len + 1))
+                + len(rows) * self.setup_per_row)
+
+    def observe_setup(self, rows: int, seconds: float) -> None:
+        """A round spent ``seconds`` bringing ``rows`` compressed entries and the draft buffers
+        up to date. Steady rounds append a few tokens per row; a request's first round
+        compresses its whole prompt (seconds at 4k tokens), which no later round repeats: such
+        a sample is cut to twice the running estimate before it moves it."""
+        if rows <= 0 or not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        per_row = min(seconds / rows, 2 * self.setup_per_row + 0.002)
+        self.setup_per_row += self.SETUP_RATE * (per_row - self.setup_per_row)
 
 
 class Controller:
@@ -371,15 +386,31 @@ class Controller:
         return lens + [self.max_draft_len]
 
     def tokens(self, rows: Sequence[Row], draft_len: int) -> float:
-        return sum(expected_tokens(self.alpha(r.rid, r.compressor), r.draft_len or draft_len) for r in rows)
+        """Expected tokens a round emits; a row near its ``max_new_tokens`` emits at most what
+        it has left (drafts past that are verified for nothing)."""
+        total = 0.0
+        for r in rows:
+            d = r.draft_len or draft_len
+            if r.remaining is not None:
+                d = min(d, max(r.remaining - 1, 0))
+            total += expected_tokens(self.alpha(r.rid, r.compressor), d)
+        return total
+
+    LONGER_BY = 0.04  # a longer draft must be predicted this much faster than the best shorter one
 
     def best_round(self, rows: Sequence[Row]) -> Decision:
-        best = None
+        """The draft length with the most expected tokens per second, preferring the shorter
+        of two within ``LONGER_BY``: the expected tokens of long drafts rest on the acceptance
+        estimate's far tail (alpha^16), where a row that accepted 8 of 8 twice reads as 0.99
+        though its rejections come in bursts; bench_adaptive's W3 then drafted 16, predicted
+        a tie with 8, and emitted 16 tokens per second where 8 drafts made 23."""
+        best, best_rate = None, 0.0
         for d in self.candidate_lens():
             steps = max([d] + [r.draft_len for r in rows if r.draft_len])
             seconds, tokens = self.costs.round_seconds(rows, steps), self.tokens(rows, d)
-            if best is None or tokens / max(seconds, 1e-9) > best.predicted_tokens / max(best.predicted_seconds, 1e-9):
-                best = Decision(d, seconds, tokens)
+            rate = tokens / max(seconds, 1e-9)
+            if best is None or rate > best_rate * (1 + self.LONGER_BY):
+                best, best_rate = Decision(d, seconds, tokens), rate
         return best
 
     def decide(self, rows: Sequence[Row], force: bool = False) -> Decision:
@@ -438,11 +469,15 @@ class Controller:
         self.plain_seen = (max(self.plain_seen[0], x[1]), max(self.plain_seen[1], x[2]))
 
     def observe_round(self, rows: Sequence[Row], steps: int, draft_seconds: float, verify_seconds: float,
-                      drafted: Sequence[int], accepted: Sequence[int]) -> None:
+                      drafted: Sequence[int], accepted: Sequence[int], setup_seconds: float = 0.0) -> None:
         """A round: ``steps`` draft steps took ``draft_seconds`` together, the verify pass
-        (width ``steps + 1``) ``verify_seconds``; row i drafted ``drafted[i]`` tokens of which
-        verify accepted ``accepted[i]`` (a deferred row: 0 drafted)."""
+        (width ``steps + 1``) ``verify_seconds``, bringing the compressed entries and draft
+        buffers up to date ``setup_seconds`` (kept out of the other two: a request's first
+        round compresses its prompt once, and would price every later round's verify or
+        drafts as if it did again); row i drafted ``drafted[i]`` tokens of which verify
+        accepted ``accepted[i]`` (a deferred row: 0 drafted)."""
         drafting = [r for r in rows if not r.queued]
+        self.costs.observe_setup(len(rows), setup_seconds)
         if steps and drafting and draft_seconds > 0:
             self.costs.draft.observe(drafting, draft_seconds / steps)
         self.costs.verify.observe(self.costs.verify_x(rows, steps + 1), verify_seconds)
@@ -469,10 +504,17 @@ class Controller:
     EXPLORE_WAIT = 16  # decode iterations a trial waits for its request's first round before another may try
 
     def choose_compressor(self, candidates: Sequence[tuple[str, float]], context: int,
-                          rid=None, current: Optional[str] = None, margin: float = 0.0, rows: int = 1) -> str:
+                          rid=None, current: Optional[str] = None, margin: float = 0.0, rows: int = 1,
+                          others: Sequence[Row] = ()) -> str:
         """The candidate (name, fraction of the full KV a draft step reads) with the most
         expected tokens per second for a request of ``context`` tokens drafting in a batch of
-        ``rows`` such requests; with ``current``, another wins only by ``margin``.
+        ``rows`` requests: ``others`` as they are (the running batch, this request left out)
+        and the rest like this one; with ``current``, another wins only by ``margin``.
+
+        The batch is priced whole because its rows draft together: one row reading a dense
+        4k-token copy makes every row's draft step as dear (the draft buffers are padded to
+        the longest row), so a request whose dropper drafts fail must not move to a quantizer
+        on its own tokens per second while three others keep drafting well.
 
         A new request may instead try a candidate whose drafts were never measured near its
         context (within ``EXPLORE_RANGE``) if that is predicted at most ``EXPLORE_WITHIN``
@@ -481,20 +523,31 @@ class Controller:
         One request at a time tries it (another may once ``EXPLORE_WAIT`` decode iterations
         pass without its drafts measured: it may have finished at its prefill); the re-choice
         after its own rounds moves it back when the measurements say so."""
-        def rate(name, fraction):
-            alpha = self.alpha(rid, name) if name == current else self._prior(name).alpha
-            batch = [Row(rid, context, int(context * fraction), name)] * max(1, rows)
-            return max(expected_tokens(alpha, d) * len(batch) / max(self.costs.round_seconds(batch, d), 1e-9)
+        others = [r for r in others if r.rid != rid][:max(0, rows - 1)]
+        fractions = dict(candidates)
+        alike = max(1, rows - len(others))  # this request and the others arriving with it
+
+        def rate(name, rest=None):
+            """The batch's tokens per second, this request drafting from ``name`` and the others
+            arriving with it from ``rest`` (default: ``name`` too)."""
+            rest = rest or name
+            alpha = lambda n: self.alpha(rid, n) if n == current else self._prior(n).alpha  # noqa: E731
+            mine = [Row(rid, context, int(context * fractions[name]), name)]
+            mine += [Row(rid, context, int(context * fractions[rest]), rest)] * (alike - 1)
+            batch = others + mine
+            return max((expected_tokens(alpha(name), d) + expected_tokens(alpha(rest), d) * (alike - 1)
+                        + self.tokens(others, d)) / max(self.costs.round_seconds(batch, d), 1e-9)
                        for d in self.candidate_lens())
 
-        rates = {name: rate(name, fraction) for name, fraction in candidates}
+        rates = {name: rate(name) for name in fractions}
         best = max(rates, key=rates.get)
         if current in rates:
             return current if rates[best] <= rates[current] * (1 + margin) else best
         for name in sorted(rates, key=rates.get, reverse=True):
             trial = self.exploring.get(name)
             if (name != best and (trial is None or self.iterations - trial[1] > self.EXPLORE_WAIT)
-                    and not self.measured_near(name, context) and rates[name] * self.EXPLORE_WITHIN >= rates[best]):
+                    and not self.measured_near(name, context)
+                    and rate(name, rest=best) * self.EXPLORE_WITHIN >= rates[best]):  # one trial beside the rest
                 self.exploring[name] = (rid, self.iterations)
                 return name
         return best
