@@ -177,7 +177,7 @@ class Planner:
         self.decision = self.controller.decide(self.rows, force=must_round)
         if self.trace is not None:
             ctl = self.controller
-            self._trace("decide", rows=[[r.rid, r.full_kv, r.draft_kv, r.compressor, round(ctl.alpha(r.rid, r.compressor), 3)]
+            self._trace("decide", rows=[[r.rid, r.full_kv, r.draft_kv, r.compressor, round(ctl.alpha(r.rid, r.compressor, r.full_kv), 3)]
                                         for r in self.rows], d=self.decision.draft_len, probe=self.decision.probe,
                         s=self.decision.predicted_seconds, t=self.decision.predicted_tokens,
                         plain_s=ctl.costs.plain.predict(ctl.costs.plain_x(self.rows)),
