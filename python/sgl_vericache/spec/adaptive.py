@@ -34,8 +34,32 @@ from typing import Optional, Sequence
 # 4x: docs' calibration table; a 4-bit quantizer agrees most, droppers less at short context).
 PRIOR_ACCEPTANCE = {"full": 0.98, "int8": 0.97, "fp8": 0.96, "kivi4": 0.96, "kivi2": 0.85, "streamingllm": 0.88,
                     "snapkv": 0.9, "h2o": 0.88, "quest": 0.9}
+# A token dropper keeping a quarter agrees more at long context (docs' calibration table:
+# streamingllm 0.83 at 45-216 tokens, 0.95 at 3k-6k; SnapKV 0.93 at 3k-6k): the prior goes from
+# PRIOR_ACCEPTANCE at 1k tokens to this at 4k, in log-context.
+PRIOR_ACCEPTANCE_LONG = {"streamingllm": 0.95, "snapkv": 0.93, "h2o": 0.93}
 DEFAULT_PRIOR = 0.85
+
+
+def prior_acceptance(compressor: str, context: int) -> float:
+    short = PRIOR_ACCEPTANCE.get(compressor, DEFAULT_PRIOR)
+    long = PRIOR_ACCEPTANCE_LONG.get(compressor, short)
+    t = min(max(math.log2(max(context, 1) / 1000) / 2, 0.0), 1.0)
+    return short + t * (long - short)
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-4), 1 - 1e-4)
+    return math.log(p / (1 - p))
 PRIOR_WEIGHT = 4.0  # pseudo-observations (drafts) behind a prior
+
+
+def context_bucket(context: int) -> int:
+    """The context band a compressor's shared acceptance is learned per: below 1k, 1-2k, 2-4k,
+    ... (a dropper keeping a quarter agrees far less at 300 tokens than at 4k: 0.83 against
+    0.95 in the docs' calibration, so a serving phase's short prompts must not price it for a
+    long-context one)."""
+    return max(0, min(int(math.log2(max(context, 1) / 512)), 8))
 
 
 class OnlineLinear:
@@ -173,6 +197,7 @@ class Row:
     compressor: str
     draft_len: Optional[int] = None  # its own custom_params draft length (it then always drafts that)
     queued: bool = False  # drafts made ahead wait for it: a round costs it no draft steps
+    remaining: Optional[int] = None  # tokens it may still emit (max_new_tokens less its output), None: unknown
 
 
 @dataclass
@@ -286,6 +311,16 @@ class Costs:
     plain: OnlineLinear = field(default_factory=lambda: OnlineLinear([0.05, 0.015, 0.011]))
     verify: OnlineLinear = field(default_factory=lambda: OnlineLinear([0.06, 0.004, 0.013, 0.0003]))
     draft: DraftCost = None
+    # compressor -> seconds a steady round spends bringing one of its rows' compressed entry
+    # and draft buffer up to date (a quantizer re-lays its groups; a dropper appends)
+    setup_per_row: dict = field(default_factory=dict)
+
+    # (compressor, context band) -> measured over modeled seconds of its steady rounds: what the
+    # linear models miss (a quantizer's dense 4k copies at batch 4 ran rounds 1.5-2x the model)
+    residual: dict = field(default_factory=dict)
+
+    SETUP_RATE = 0.3
+    RESIDUAL_RATE, RESIDUAL_RANGE = 0.3, (0.5, 3.0)
 
     def __post_init__(self):
         if self.draft is None:
@@ -301,8 +336,56 @@ class Costs:
         return [1.0, float(len(rows) * width), kv, kv * width]
 
     def round_seconds(self, rows: Sequence[Row], draft_len: int) -> float:
+        return self.modeled_round_seconds(rows, draft_len) * self.residual_factor(rows)
+
+    def modeled_round_seconds(self, rows: Sequence[Row], draft_len: int) -> float:
         drafting = [r for r in rows if not r.queued]
-        return draft_len * self.draft.predict(drafting) + self.verify.predict(self.verify_x(rows, draft_len + 1))
+        return (draft_len * self.draft.predict(drafting) + self.verify_seconds(rows, draft_len + 1)
+                + sum(self.setup(r.compressor) for r in rows))
+
+    def residual_factor(self, rows: Sequence[Row]) -> float:
+        if not rows:
+            return 1.0
+        return sum(self.residual.get((r.compressor, context_bucket(r.full_kv)), 1.0) for r in rows) / len(rows)
+
+    def observe_residual(self, rows: Sequence[Row], modeled: float, seconds: float) -> None:
+        """A steady round took ``seconds`` where the models said ``modeled``: each of its
+        (compressor, band)'s factor moves by its rows' share, the ratio held to RESIDUAL_RANGE."""
+        if not rows or not (modeled > 0 and seconds > 0 and math.isfinite(seconds)):
+            return
+        lo, hi = self.RESIDUAL_RANGE
+        ratio = min(max(seconds / modeled, lo), hi)
+        keys = [(r.compressor, context_bucket(r.full_kv)) for r in rows]
+        for key in set(keys):
+            old = self.residual.get(key, 1.0)
+            self.residual[key] = old + self.RESIDUAL_RATE * keys.count(key) / len(keys) * (ratio - old)
+
+    def verify_seconds(self, rows: Sequence[Row], width: int) -> float:
+        """A verify pass is a decode forward over the same full KV with ``width`` queries a
+        row: never cheaper than the plain step (its own fit, pinned where rounds ran, priced a
+        4 x 4k verify below the measured plain step after a short-context phase, and so a
+        1-draft round below plain decoding)."""
+        return max(self.verify.predict(self.verify_x(rows, width)), self.plain.predict(self.plain_x(rows)))
+
+    def setup(self, compressor: str) -> float:
+        """A steady round's setup seconds for one row of ``compressor`` (one not measured yet:
+        the measured ones' mean)."""
+        if compressor in self.setup_per_row:
+            return self.setup_per_row[compressor]
+        return sum(self.setup_per_row.values()) / len(self.setup_per_row) if self.setup_per_row else 0.0
+
+    def observe_setup(self, rows: Sequence[Row], seconds: float) -> None:
+        """A steady round (no row in its first round) spent ``seconds`` bringing its rows'
+        compressed entries and draft buffers up to date: each compressor's estimate moves by
+        its rows' share. A sample is cut to 4x the estimate plus 10 ms (a stalled machine)."""
+        if not rows or not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        predicted = sum(self.setup(r.compressor) for r in rows)
+        per_row = min(seconds, 4 * predicted + 0.01 * len(rows)) / len(rows)
+        for name in {r.compressor for r in rows}:
+            share = sum(r.compressor == name for r in rows) / len(rows)
+            old = self.setup(name)
+            self.setup_per_row[name] = old + self.SETUP_RATE * share * (per_row - old)
 
 
 class Controller:
@@ -336,19 +419,41 @@ class Controller:
 
     # -- acceptance ------------------------------------------------------------------
 
-    def _prior(self, compressor: str) -> Acceptance:
-        if compressor not in self.priors:
-            self.priors[compressor] = Acceptance(PRIOR_ACCEPTANCE.get(compressor, DEFAULT_PRIOR), decay=0.98, fast=False)
-        return self.priors[compressor]
+    def _prior(self, compressor: str, context: int = 0) -> Acceptance:
+        """The acceptance every request of ``compressor`` at about ``context`` tokens teaches
+        (a band no round has taught yet starts from ``PRIOR_ACCEPTANCE``)."""
+        key = (compressor, context_bucket(context))
+        if key not in self.priors:
+            self.priors[key] = Acceptance(self._band_start(compressor, context), decay=0.98, fast=False)
+        return self.priors[key]
 
-    def alpha(self, rid, compressor: str) -> float:
+    TRANSFER_WEIGHT = 8.0  # drafts of evidence at which the other bands' lesson counts half
+
+    def _band_start(self, compressor: str, context: int) -> float:
+        """Where a band no round has taught starts: the calibrated prior at its context, moved
+        (in log-odds) by what the compressor's other bands taught against their own priors,
+        in proportion to their evidence (a compressor that agrees less than calibrated at 1k
+        likely does at 2k too, while a dropper's rise with context stays)."""
+        shift, weight = 0.0, 0.0
+        for (name, band), acc in self.priors.items():
+            seen = acc.slow[0] + acc.slow[1]
+            if name == compressor and seen > 0:
+                shift += seen * (_logit(acc.alpha) - _logit(acc.prior))
+                weight += seen
+        static = prior_acceptance(compressor, context)
+        if not weight:
+            return static
+        moved = _logit(static) + shift / weight * weight / (weight + self.TRANSFER_WEIGHT)
+        return 1.0 / (1.0 + math.exp(-moved))
+
+    def alpha(self, rid, compressor: str, context: int = 0) -> float:
         own = self.rows.get(rid)
-        return own.alpha if own is not None else self._prior(compressor).alpha
+        return own.alpha if own is not None else self._prior(compressor, context).alpha
 
     def _row_acceptance(self, row: Row) -> Acceptance:
         own = self.rows.get(row.rid)
         if own is None:
-            own = self.rows[row.rid] = Acceptance(self._prior(row.compressor).alpha)
+            own = self.rows[row.rid] = Acceptance(self._prior(row.compressor, row.full_kv).alpha)
         return own
 
     def has_evidence(self, rid, rounds: int = 4) -> bool:
@@ -371,15 +476,31 @@ class Controller:
         return lens + [self.max_draft_len]
 
     def tokens(self, rows: Sequence[Row], draft_len: int) -> float:
-        return sum(expected_tokens(self.alpha(r.rid, r.compressor), r.draft_len or draft_len) for r in rows)
+        """Expected tokens a round emits; a row near its ``max_new_tokens`` emits at most what
+        it has left (drafts past that are verified for nothing)."""
+        total = 0.0
+        for r in rows:
+            d = r.draft_len or draft_len
+            if r.remaining is not None:
+                d = min(d, max(r.remaining - 1, 0))
+            total += expected_tokens(self.alpha(r.rid, r.compressor, r.full_kv), d)
+        return total
+
+    LONGER_BY = 0.04  # a longer draft must be predicted this much faster than the best shorter one
 
     def best_round(self, rows: Sequence[Row]) -> Decision:
-        best = None
+        """The draft length with the most expected tokens per second, preferring the shorter
+        of two within ``LONGER_BY``: the expected tokens of long drafts rest on the acceptance
+        estimate's far tail (alpha^16), where a row that accepted 8 of 8 twice reads as 0.99
+        though its rejections come in bursts; bench_adaptive's W3 then drafted 16, predicted
+        a tie with 8, and emitted 16 tokens per second where 8 drafts made 23."""
+        best, best_rate = None, 0.0
         for d in self.candidate_lens():
             steps = max([d] + [r.draft_len for r in rows if r.draft_len])
             seconds, tokens = self.costs.round_seconds(rows, steps), self.tokens(rows, d)
-            if best is None or tokens / max(seconds, 1e-9) > best.predicted_tokens / max(best.predicted_seconds, 1e-9):
-                best = Decision(d, seconds, tokens)
+            rate = tokens / max(seconds, 1e-9)
+            if best is None or rate > best_rate * (1 + self.LONGER_BY):
+                best, best_rate = Decision(d, seconds, tokens), rate
         return best
 
     def decide(self, rows: Sequence[Row], force: bool = False) -> Decision:
@@ -438,18 +559,25 @@ class Controller:
         self.plain_seen = (max(self.plain_seen[0], x[1]), max(self.plain_seen[1], x[2]))
 
     def observe_round(self, rows: Sequence[Row], steps: int, draft_seconds: float, verify_seconds: float,
-                      drafted: Sequence[int], accepted: Sequence[int]) -> None:
+                      drafted: Sequence[int], accepted: Sequence[int], setup_seconds: float = 0.0) -> None:
         """A round: ``steps`` draft steps took ``draft_seconds`` together, the verify pass
-        (width ``steps + 1``) ``verify_seconds``; row i drafted ``drafted[i]`` tokens of which
-        verify accepted ``accepted[i]`` (a deferred row: 0 drafted)."""
+        (width ``steps + 1``) ``verify_seconds``, bringing the compressed entries and draft
+        buffers up to date ``setup_seconds`` (kept out of the other two, and learned from
+        steady rounds only: a request's first round, or its first after a switch, compresses
+        its whole prompt once, and would price every later round as if it did again); row i drafted ``drafted[i]`` tokens of which verify
+        accepted ``accepted[i]`` (a deferred row: 0 drafted)."""
         drafting = [r for r in rows if not r.queued]
+        if all(r.rid in self.rows for r in rows):  # else a row's first round: its whole entry built, once
+            self.costs.observe_residual(rows, self.costs.modeled_round_seconds(rows, steps),
+                                        draft_seconds + verify_seconds + setup_seconds)
+            self.costs.observe_setup(rows, setup_seconds)
         if steps and drafting and draft_seconds > 0:
             self.costs.draft.observe(drafting, draft_seconds / steps)
         self.costs.verify.observe(self.costs.verify_x(rows, steps + 1), verify_seconds)
         gained = 0.0
         for row, d, k in zip(rows, drafted, accepted):
             self._row_acceptance(row).observe(k, d)
-            self._prior(row.compressor).observe(k, d)
+            self._prior(row.compressor, row.full_kv).observe(k, d)
             gained += k
             if d:
                 lo, hi = self.drafted_at.get(row.compressor, (row.full_kv, row.full_kv))
@@ -469,10 +597,17 @@ class Controller:
     EXPLORE_WAIT = 16  # decode iterations a trial waits for its request's first round before another may try
 
     def choose_compressor(self, candidates: Sequence[tuple[str, float]], context: int,
-                          rid=None, current: Optional[str] = None, margin: float = 0.0, rows: int = 1) -> str:
+                          rid=None, current: Optional[str] = None, margin: float = 0.0, rows: int = 1,
+                          others: Sequence[Row] = ()) -> str:
         """The candidate (name, fraction of the full KV a draft step reads) with the most
         expected tokens per second for a request of ``context`` tokens drafting in a batch of
-        ``rows`` such requests; with ``current``, another wins only by ``margin``.
+        ``rows`` requests: ``others`` as they are (the running batch, this request left out)
+        and the rest like this one; with ``current``, another wins only by ``margin``.
+
+        The batch is priced whole because its rows draft together: one row reading a dense
+        4k-token copy makes every row's draft step as dear (the draft buffers are padded to
+        the longest row), so a request whose dropper drafts fail must not move to a quantizer
+        on its own tokens per second while three others keep drafting well.
 
         A new request may instead try a candidate whose drafts were never measured near its
         context (within ``EXPLORE_RANGE``) if that is predicted at most ``EXPLORE_WITHIN``
@@ -481,20 +616,31 @@ class Controller:
         One request at a time tries it (another may once ``EXPLORE_WAIT`` decode iterations
         pass without its drafts measured: it may have finished at its prefill); the re-choice
         after its own rounds moves it back when the measurements say so."""
-        def rate(name, fraction):
-            alpha = self.alpha(rid, name) if name == current else self._prior(name).alpha
-            batch = [Row(rid, context, int(context * fraction), name)] * max(1, rows)
-            return max(expected_tokens(alpha, d) * len(batch) / max(self.costs.round_seconds(batch, d), 1e-9)
+        others = [r for r in others if r.rid != rid][:max(0, rows - 1)]
+        fractions = dict(candidates)
+        alike = max(1, rows - len(others))  # this request and the others arriving with it
+
+        def rate(name, rest=None):
+            """The batch's tokens per second, this request drafting from ``name`` and the others
+            arriving with it from ``rest`` (default: ``name`` too)."""
+            rest = rest or name
+            alpha = lambda n: self.alpha(rid, n, context) if n == current else self._prior(n, context).alpha  # noqa: E731
+            mine = [Row(rid, context, int(context * fractions[name]), name)]
+            mine += [Row(rid, context, int(context * fractions[rest]), rest)] * (alike - 1)
+            batch = others + mine
+            return max((expected_tokens(alpha(name), d) + expected_tokens(alpha(rest), d) * (alike - 1)
+                        + self.tokens(others, d)) / max(self.costs.round_seconds(batch, d), 1e-9)
                        for d in self.candidate_lens())
 
-        rates = {name: rate(name, fraction) for name, fraction in candidates}
+        rates = {name: rate(name) for name in fractions}
         best = max(rates, key=rates.get)
         if current in rates:
             return current if rates[best] <= rates[current] * (1 + margin) else best
         for name in sorted(rates, key=rates.get, reverse=True):
             trial = self.exploring.get(name)
             if (name != best and (trial is None or self.iterations - trial[1] > self.EXPLORE_WAIT)
-                    and not self.measured_near(name, context) and rates[name] * self.EXPLORE_WITHIN >= rates[best]):
+                    and not self.measured_near(name, context)
+                    and rate(name, rest=best) * self.EXPLORE_WITHIN >= rates[best]):  # one trial beside the rest
                 self.exploring[name] = (rid, self.iterations)
                 return name
         return best

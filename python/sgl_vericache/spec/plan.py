@@ -10,6 +10,7 @@ picks each request's compressor and moves it when its measured acceptance says s
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import NamedTuple, Optional, Sequence
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 SCHEDULE_ENV = "VERICACHE_ADAPTIVE_SCHEDULE"
 SWITCH_ENV = "VERICACHE_ADAPTIVE_SWITCH_EVERY"
 MAX_SWITCHES = 2  # compressor moves per request
+# Diagnosis: a file the controller's inputs, decisions and outcomes are appended to, one JSON line each
+TRACE_ENV = "VERICACHE_ADAPTIVE_TRACE"
 
 
 class Plan(NamedTuple):
@@ -43,6 +46,19 @@ def draft_kv_fraction(compressor: KVCompressor) -> float:
     return 1.0 / compressor.ratio if compressor.ratio and compressor.name != "quest" else 1.0
 
 
+def _finished(req) -> bool:
+    """Whether SGLang has finished ``req`` (``Req.finished()``; the overlap scheduler, which
+    flips it a step late, is off under VERICACHE)."""
+    finished = getattr(req, "finished", None)
+    return bool(finished()) if callable(finished) else False
+
+
+def _remaining(req) -> Optional[int]:
+    """Tokens ``req`` may still emit before its ``max_new_tokens`` (None: no limit known)."""
+    limit = getattr(req.sampling_params, "max_new_tokens", None)
+    return max(limit - len(req.output_ids), 0) if isinstance(limit, int) else None
+
+
 class Planner:
     def __init__(self, vc: VeriCacheConfig, stats, abort, default_compressor: KVCompressor):
         """``abort(req, message, status=400)`` ends one request (the seam's)."""
@@ -58,6 +74,10 @@ class Planner:
         self.rounds = 0
         self.decision: Optional[Decision] = None  # this decode iteration's, with the controller on
         self.rows: Optional[list[Row]] = None  # the controller's view of this iteration's batch
+        self.batch_reqs = []  # that batch's requests
+        self.unseen = {}  # rid -> Req planned but not yet in a decode batch (one may finish at its prefill)
+        trace = os.environ.get(TRACE_ENV)
+        self.trace = open(trace, "a", buffering=1) if trace and self.controller is not None else None
 
     # -- per request -----------------------------------------------------------------
 
@@ -68,7 +88,7 @@ class Planner:
         plan = self.plans.get(req.rid)
         if plan is None:
             try:
-                plan = self._new_plan(req, rows or len(self.rows or ()) + 1)
+                plan = self._new_plan(req, rows or len(self._running()) + 1)
                 self.stats.planned(plan.compressor.name)
             except ValueError as exc:  # a bad override: this request alone ends, with a 400
                 self.abort(req, str(exc))
@@ -79,20 +99,34 @@ class Planner:
                 self.abort(req, message, status=500)
                 plan = Plan(self.default_compressor, 1, message)
             self.plans[req.rid] = plan
+            self._trace("plan", rid=req.rid, context=len(req.origin_input_ids), compressor=plan.compressor.name)
         return plan
 
     def plan_arriving(self, reqs) -> list[Plan]:
         """Plans of requests arriving together (a prefill batch): the new ones will draft
         beside each other and the running batch."""
-        rows = len(reqs) + len(self.rows or ())
+        self._forget_finished()
+        rows = len(reqs) + len(self._running())
+        self.unseen.update((req.rid, req) for req in reqs)
         return [self.plan(req, rows) for req in reqs]
+
+    def _running(self) -> list[Row]:
+        """The last decode iteration's rows whose requests have not finished since (departed
+        requests are reported only at the next decode iteration, after the arrivals' prefill)."""
+        return [row for row, req in zip(self.rows or (), self.batch_reqs) if not _finished(req)]
+
+    def _forget_finished(self) -> None:
+        """Requests that finished before any decode iteration (at their prefill: one new
+        token, or aborted) never depart a decode batch: their plans go here."""
+        for rid in [rid for rid, req in self.unseen.items() if _finished(req)]:
+            self.forget(rid)
 
     def _new_plan(self, req, rows: int) -> Plan:
         custom = req.sampling_params.custom_params
         cfg = request_config(custom, self.vc)
         name = cfg.compressor
         if name == AUTO:
-            name = self._choose(cfg, len(req.origin_input_ids), rows=rows)
+            name = self._choose(cfg, len(req.origin_input_ids), req.rid, rows=rows)
         fixed = isinstance(custom, dict) and "vericache_draft_len" in custom
         return Plan(self._compressor(cfg, name), cfg.draft_len, fixed=fixed, auto=cfg.compressor == AUTO)
 
@@ -103,13 +137,17 @@ class Planner:
         return self.compressors[key]
 
     def _choose(self, cfg: VeriCacheConfig, context: int, rid=None, current=None, rows: int = 1) -> str:
+        """``rows``: the batch it drafts in; the last decode iteration's rows (the running
+        batch) are priced as they are, the rest like this request."""
         if self.controller is None:
             return AUTO_CANDIDATES[0]
         candidates = [(name, draft_kv_fraction(self._compressor(cfg, name))) for name in AUTO_CANDIDATES]
-        return self.controller.choose_compressor(candidates, context, rid, current, margin=0.15, rows=rows)
+        return self.controller.choose_compressor(candidates, context, rid, current, margin=0.15, rows=rows,
+                                                 others=self._running())
 
     def forget(self, rid) -> None:
         self.plans.pop(rid, None)
+        self.unseen.pop(rid, None)
         if self.controller is not None:
             self.controller.forget(rid)
 
@@ -125,29 +163,49 @@ class Planner:
         """Whether this decode iteration is a round (else plain decoding). ``queued``: rids
         with drafts made ahead."""
         self.decision = self.rows = None
+        self.batch_reqs = []
+        self._forget_finished()
+        for req in reqs:
+            self.unseen.pop(req.rid, None)
         if self.controller is None:
             return True
         plans = [self.plan(r, len(reqs)) for r in reqs]
+        self.batch_reqs = list(reqs)
         self.rows = [Row(req.rid, n, int(n * draft_kv_fraction(plan.compressor)), plan.compressor.name,
-                         plan.draft_len if plan.fixed else None, req.rid in queued)
+                         plan.draft_len if plan.fixed else None, req.rid in queued, _remaining(req))
                      for req, n, plan in zip(reqs, verified, plans)]
         self.decision = self.controller.decide(self.rows, force=must_round)
+        if self.trace is not None:
+            ctl = self.controller
+            self._trace("decide", rows=[[r.rid, r.full_kv, r.draft_kv, r.compressor, round(ctl.alpha(r.rid, r.compressor, r.full_kv), 3)]
+                                        for r in self.rows], d=self.decision.draft_len, probe=self.decision.probe,
+                        s=self.decision.predicted_seconds, t=self.decision.predicted_tokens,
+                        plain_s=ctl.costs.plain.predict(ctl.costs.plain_x(self.rows)),
+                        draft_s=ctl.costs.draft.predict([r for r in self.rows if not r.queued]))
         return self.decision.draft_len > 0
 
     def plain_done(self, seconds: float) -> None:
         self.controller.observe_plain(self.rows, seconds)
         self._count_prediction(seconds)
+        self._trace("plain", s=seconds)
 
     def round_done(self, reqs, lens: Sequence[int], accept_lens: Sequence[int], draft_seconds: float,
-                   seconds: float) -> None:
+                   seconds: float, setup_seconds: float = 0.0) -> None:
         """The controller learns the round's costs and acceptance (row i drafted ``lens[i]``,
-        emitted ``accept_lens[i]``); auto requests may move to the other compressor."""
+        emitted ``accept_lens[i]``); auto requests may move to the other compressor. Of the
+        round's ``seconds``, ``draft_seconds`` were its draft forwards and ``setup_seconds``
+        the bringing up to date of compressed entries and draft buffers (whole prompts
+        compressed at a request's first round, an entry rebuilt after a switch: once per
+        request, not per round); the rest was the verify pass."""
         if self.controller is None or self.rows is None or len(lens) != len(reqs):
             return
         accepted = [max(0, n - 1) for n in accept_lens]
-        self.controller.observe_round(self.rows, max(lens, default=0), draft_seconds,
-                                      max(seconds - draft_seconds, 0.0), lens, accepted)
+        verify_seconds = max(seconds - draft_seconds - setup_seconds, 0.0)
+        self.controller.observe_round(self.rows, max(lens, default=0), draft_seconds, verify_seconds, lens, accepted,
+                                      setup_seconds=setup_seconds)
         self._count_prediction(seconds)
+        self._trace("round", lens=list(lens), accepted=accepted, draft_s=draft_seconds, setup_s=setup_seconds,
+                    s=seconds)
         self.rounds += 1
         forced = bool(self.switch_every) and self.rounds % self.switch_every == 0
         for req, row in zip(reqs, self.rows):
@@ -168,6 +226,11 @@ class Planner:
             self.controller.forget(req.rid)  # its acceptance was the old compressor's
             self.stats.add("compressor_switches", 1)
             self.stats.planned(name)
+            self._trace("switch", rid=req.rid, compressor=name)
+
+    def _trace(self, event: str, **fields) -> None:
+        if self.trace is not None:
+            self.trace.write(json.dumps({"event": event, **fields}, default=str) + "\n")
 
     def _count_prediction(self, seconds: float) -> None:
         if self.decision is not None:

@@ -147,6 +147,9 @@ class Speculator:
         self._tier_pending = self.fetch_drafter is not None
         self.planner = Planner(vc, stats, seam.abort, self.store.compressor)  # and, adaptive, the controller
         self.lens, self.draft_seconds = (), 0.0  # what this round drafted, per row, and how long it took
+        # of that round: seconds bringing compressed entries and draft buffers up to date (the
+        # first round of a request compresses its whole prompt), and of its draft forwards alone
+        self.setup_seconds = self.forward_seconds = 0.0
 
     # -- per request ---------------------------------------------------------------------
 
@@ -228,10 +231,12 @@ class Speculator:
         lens = self.draft_lens(batch.reqs, batch.verified)
         if any(n < self.planner.draft_len(plan) for n, plan in zip(lens, plans)):
             self.stats.add("context_limited_rounds", 1)  # cut short so no position passes the context
+        t_sync = time.perf_counter()
         self._sync_store(batch, plans)
         verifying = self._verifying_rows(batch)
         if self.vc.full_device_budget >= 0:
             self._stage_full_kv(batch, verifying)
+        self.setup_seconds, self.layout_seconds = time.perf_counter() - t_sync, 0.0
         self.deferred = tuple(i for i, v in enumerate(verifying) if not v)
         roots = [last_token(req) for req in batch.reqs]
         steps = max(lens)
@@ -239,6 +244,8 @@ class Speculator:
         t0 = time.perf_counter()
         drafts = self._draft(batch, roots, steps, queued)  # [bs, steps]
         self.draft_seconds = time.perf_counter() - t0
+        self.forward_seconds = self.draft_seconds - self.layout_seconds
+        self.setup_seconds += self.layout_seconds
         self.lens = [n if v else 0 for n, v in zip(lens, verifying)]
         self.stats.drafted(self.draft_seconds, sum(self.lens), steps)
         drafts = pad_drafts(drafts, lens, width - 1)
@@ -262,7 +269,7 @@ class Speculator:
         included; None for a forward that was no round), ``seconds`` the iteration took,
         ``load_seconds`` the process's running total of HiCache load time."""
         if accept_lens is not None:
-            self.planner.round_done(reqs, self.lens, accept_lens, self.draft_seconds, seconds)
+            self.planner.round_done(reqs, self.lens, accept_lens, self.forward_seconds, seconds, self.setup_seconds)
             self.stats.verified(seconds, [n for i, n in enumerate(accept_lens) if i not in deferred])
             self.stats.add("deferred_rows", len(deferred))
             for i, req in enumerate(reqs):
@@ -353,7 +360,9 @@ class Speculator:
             drafts[i, len(tokens):] = tokens[-1]
         if not keep or not steps:
             return drafts
+        t0 = time.perf_counter()
         self.store.begin_round([batch.reqs[i].rid for i in keep], steps)
+        self.layout_seconds = time.perf_counter() - t0  # a new or rebuilt entry lays out whole
         passes = self.seam.passes
         draft_batch = passes.for_rows(batch.source, keep)
         self.sampled = None if batch.greedy else self.seam.sampled_round(batch.source, keep, self.rng)
