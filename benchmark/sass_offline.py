@@ -60,7 +60,8 @@ def compile_variant(name: str, group: int = 4, head_dim: int = 128, arch: int = 
     fmt, bits, half, asm, bn, warps, stages = VARIANTS[name]
     constexprs = dict(GROUP=group, GP=16, D=head_dim, BN=bn, FMT=fmt, BITS=bits, QGROUP=32, CGROUP=32,
                       KMODE=1 if bn <= 32 else 2, HEAD_SCALE=False, INDEXED=False, ROUND=2, DOT=2,
-                      FOLD=fmt in (FMT_INT8, FMT_FP8), UNPACK=0, HALF=half, Q_BF16=True, ASM=asm)
+                      FOLD=fmt in (FMT_INT8, FMT_FP8), UNPACK=0, HALF=half, Q_BF16=True, ASM=asm,
+                      MROUND=1 if half else 2, MDOT=1 if half else 2)
     sig = signature(fmt)
     sig.update({k: "constexpr" for k in constexprs})
     # what a real launch specializes on: 16-byte aligned pointers

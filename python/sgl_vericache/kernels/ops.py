@@ -212,7 +212,8 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         KMODE=kmode if kmode != 2 or config.unpack == 0 else 0,
         HEAD_SCALE=packed.head_scale, INDEXED=packed.indices is not None, ROUND=rnd, DOT=dot,
         FOLD=folds(config, packed, q.dtype) or (half and packed.fmt != FMT_KIVI), UNPACK=config.unpack, HALF=half,
-        Q_BF16=q.dtype == torch.bfloat16, ASM=config.asm if half and q.device.type == "cuda" and not interpreting() else 0,
+        MROUND=1 if half else rnd, MDOT=1 if half else dot, Q_BF16=q.dtype == torch.bfloat16,
+        ASM=config.asm if half and q.device.type == "cuda" and not interpreting() else 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return _combine(m, l, acc, q.dtype, return_lse)

@@ -211,6 +211,36 @@ def _dense_segment(q, m_i, l_i, acc, k_ptr, v_ptr, row0, count, h, H, qk_scale,
 
 
 @triton.jit
+def _main_block(qm, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
+                scale, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr,
+                KMODE: tl.constexpr, HEAD_SCALE: tl.constexpr, MROUND: tl.constexpr, MDOT: tl.constexpr,
+                FOLD: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
+                BN: tl.constexpr, D: tl.constexpr):
+    """Fold one block of the main segment (rows tok) into the running state. qm is the query
+    in the main segment's product dtype (MDOT), ``scale`` its score scale."""
+    if FOLD:  # int8 / fp8: exact codes in the products, the token scales on scores and probabilities
+        k_scale = _token_scales(ks_ptr, tok, entry, h, H, valid, HEAD_SCALE, BN)
+        v_scale = _token_scales(vs_ptr, tok, entry, h, H, valid, HEAD_SCALE, BN)
+        if HALF and FMT == 3:  # fp8 codes in fp16 are 2^-8 of the value
+            k_scale = k_scale * 256.0
+            v_scale = v_scale * 256.0
+        k = _dot_in(_load_codes(k_ptr, tok, h, H, valid, FMT, D, HALF, ASM, BN), MDOT)
+        s = _mm(qm, tl.trans(k), MDOT) * (k_scale * scale)[None, :]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        v = _dot_in(_load_codes(v_ptr, tok, h, H, valid, FMT, D, HALF, ASM, BN), MDOT)
+        m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, MDOT)
+    else:  # dense rows, or KIVI dequantized (in fp16 with HALF, else fp32 rounded to the entry dtype)
+        k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,
+                       FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, UNPACK, HALF, BN, D, ASM)
+        s = _mm(qm, tl.trans(_dot_in(_round_to(k, MROUND), MDOT)), MDOT) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
+                       FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, UNPACK, HALF, BN, D, ASM)
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, _dot_in(_round_to(v, MROUND), MDOT), MDOT)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, meta_ptr,
     k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,  # main segment: data and its scales / zeros
@@ -223,6 +253,7 @@ def _decode_split_kernel(
     FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
     HEAD_SCALE: tl.constexpr, INDEXED: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
     FOLD: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr, Q_BF16: tl.constexpr, ASM: tl.constexpr,
+    MROUND: tl.constexpr, MDOT: tl.constexpr,  # the main segment's ROUND / DOT: fp16 (1, 1) with HALF
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -236,9 +267,11 @@ def _decode_split_kernel(
     q_rows = r.to(tl.int64) * HQ + h * GROUP + gi
     q = tl.load(q_ptr + (q_rows * D)[:, None] + d[None, :], mask=(gi < GROUP)[:, None], other=0.0)
     if HALF:  # the main segment multiplies fp16: codes and dequantized values are exact or rounded there
-        qh, unit = _half_query(q, Q_BF16)
+        qm, unit = _half_query(q, Q_BF16)
         main_scale = qk_scale * unit
     q = _dot_in(q, DOT)
+    if not HALF:
+        qm, main_scale = q, qk_scale
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -253,42 +286,9 @@ def _decode_split_kernel(
         tok = tok0 + tl.arange(0, BN).to(tl.int64)
         if INDEXED:
             tok = tl.load(idx_ptr + tok, mask=valid, other=0).to(tl.int64)
-        if FOLD:  # int8 / fp8: exact codes in the products, the token scales on scores and probabilities
-            k_scale = _token_scales(ks_ptr, tok, entry, h, H, valid, HEAD_SCALE, BN)
-            v_scale = _token_scales(vs_ptr, tok, entry, h, H, valid, HEAD_SCALE, BN)
-            if HALF:
-                if FMT == 3:  # fp16 fp8 codes are 2^-8 of the value
-                    k_scale = k_scale * 256.0
-                    v_scale = v_scale * 256.0
-                k = _load_codes(k_ptr, tok, h, H, valid, FMT, D, True, ASM, BN)
-                s = _mm(qh, tl.trans(k), 1) * (k_scale * main_scale)[None, :]
-                s = tl.where(valid[None, :], s, float("-inf"))
-                v = _load_codes(v_ptr, tok, h, H, valid, FMT, D, True, ASM, BN)
-                m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, 1)
-            else:
-                k = _dot_in(_load_codes(k_ptr, tok, h, H, valid, FMT, D, False), DOT)
-                s = _mm(q, tl.trans(k), DOT) * (k_scale * qk_scale)[None, :]
-                s = tl.where(valid[None, :], s, float("-inf"))
-                v = _dot_in(_load_codes(v_ptr, tok, h, H, valid, FMT, D, False), DOT)
-                m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, DOT)
-        elif HALF:  # KIVI dequantized in fp16
-            k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,
-                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, UNPACK, True, BN, D, ASM)
-            s = _mm(qh, tl.trans(k), 1) * main_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
-                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, UNPACK, True, BN, D, ASM)
-            m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, 1)
-        else:
-            k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,
-                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, UNPACK, False, BN, D)
-            k = _dot_in(_round_to(k, ROUND), DOT)
-            s = _mm(q, tl.trans(k), DOT) * qk_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
-                           FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, UNPACK, False, BN, D)
-            v = _dot_in(_round_to(v, ROUND), DOT)
-            m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, DOT)
+        m_i, l_i, acc = _main_block(qm, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tok, tok0,
+                                    entry, h, H, valid, main_scale, FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE,
+                                    MROUND, MDOT, FOLD, UNPACK, HALF, ASM, BN, D)
 
     last = split == NUM_SPLITS - 1  # the short segments go to the split with the least main work
     rec_len = tl.where(last, tl.load(meta + 3), 0)
