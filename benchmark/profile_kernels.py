@@ -16,9 +16,7 @@ a tool for a lent GPU session with device time left (~2 minutes).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import math
 import os
 import re
 import shutil
@@ -94,16 +92,6 @@ def _sass(cubin: Path) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def opcode_histogram(sass: str) -> dict:
-    """Opcode (without modifiers) -> count over the whole kernel."""
-    counts = collections.Counter()
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-        if m:
-            counts[m.group(1)] += 1
-    return dict(counts.most_common())
-
-
 def collect(name: str, out: Path) -> dict:
     """Copy what Triton compiled for ``name`` into out/name/ and sum up its SASS."""
     got = {}
@@ -115,9 +103,11 @@ def collect(name: str, out: Path) -> dict:
         if path.suffix == ".cubin" and "decode_split" in path.name:
             sass = _sass(path)
             if sass:
+                from sass_offline import loops, opcode_histogram  # the same parsing as offline
                 (dest / (path.stem + ".sass")).write_text(sass)
                 got["sass_opcodes"] = opcode_histogram(sass)
                 got["sass_lines"] = sum(got["sass_opcodes"].values())
+                got["main_loop_opcodes"] = dict(loops(sass)[0].most_common()) if loops(sass) else {}
     got["files"] = sorted(p.name for p in dest.iterdir())
     return got
 

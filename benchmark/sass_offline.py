@@ -84,21 +84,32 @@ def sass_of(kernel) -> tuple[str, int]:
     return sass, int(regs.group(1)) if regs else -1
 
 
-def loops(sass: str) -> list[collections.Counter]:
-    """Opcode counts of each loop body (a backward branch's target to the branch)."""
-    ins = []
+def instructions(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode without modifiers or predicate, text) of each SASS instruction."""
+    out = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", line)
         if m:
-            ins.append((int(m.group(1), 16), m.group(2).strip()))
+            text = m.group(2).strip()
+            out.append((int(m.group(1), 16), (text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0],
+                        text))
+    return out
+
+
+def opcode_histogram(sass: str) -> dict:
+    """Opcode -> count over the whole kernel, most frequent first."""
+    return dict(collections.Counter(op for _, op, _ in instructions(sass)).most_common())
+
+
+def loops(sass: str) -> list[collections.Counter]:
+    """Opcode counts of each loop body (a backward branch's target to the branch)."""
+    ins = instructions(sass)
     found = []
-    for addr, text in ins:
+    for addr, _, text in ins:
         m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             start = int(m.group(1), 16)
-            body = [t for a, t in ins if start <= a <= addr]
-            found.append(collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0]
-                                             for t in body))
+            found.append(collections.Counter(op for a, op, _ in ins if start <= a <= addr))
     return found
 
 
