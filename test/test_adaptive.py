@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from sgl_vericache.spec.adaptive import Acceptance, Controller, OnlineLinear, Row, expected_tokens, prior_acceptance
+from sgl_vericache.spec.adaptive import Acceptance, Controller, Row, expected_tokens, prior_acceptance
+from sgl_vericache.spec.step_costs import OnlineLinear
 
 
 class World:
