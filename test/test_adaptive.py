@@ -4,13 +4,14 @@ long when they are accepted, and follow a workload that changes within a few ite
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
 import pytest
 
 from sgl_vericache.spec.adaptive import Acceptance, Controller, Row, expected_tokens, prior_acceptance
-from sgl_vericache.spec.step_costs import OnlineLinear
+from sgl_vericache.spec.step_costs import OnlineLinear, context_bucket
 
 
 class World:
@@ -473,6 +474,80 @@ def test_rounds_dearer_than_modeled_teach_a_factor_per_compressor_and_band():
     assert ctl.costs.residual_factor(kivi) > 1.15, ctl.costs.residual
     assert ctl.costs.residual_factor([Row("s", 4000, 1000, "streamingllm")]) == 1.0
     assert ctl.costs.residual_factor([Row("k", 1000, 1000, "kivi4")]) == 1.0
+
+
+def test_a_draft_cost_factor_is_learned_per_context_band():
+    """kivi4's draft steps read keys at 0.27 of a plain step's cost at 400 tokens (where keys
+    are a small share of a step) and 0.5 at 4k (bench_adaptive's W3: one factor for all
+    contexts, learned on W1's short prompts, priced its 4k drafts at half their cost and W3
+    chose it). An unmeasured band starts between the nearest measured one and the prior;
+    measured, each band keeps its own factor."""
+    from sgl_vericache.spec.step_costs import DraftCost, context_bucket
+
+    plain = OnlineLinear([0.05, 0.015, 0.011])
+    cost = DraftCost(plain)
+    true = {context_bucket(400): 0.27, context_bucket(4000): 0.5}
+
+    def step(rows):
+        x = cost.base_x(rows)
+        fixed = plain.predict([1.0, x[1], 0.0])
+        return 0.7 * fixed + true[context_bucket(rows[0].full_kv)] * (plain.predict(x) - fixed)
+
+    def batch(rows, context):
+        return [Row(f"r{i}", context, context, "kivi4") for i in range(rows)]
+
+    for i in range(40):  # a serving phase: 1-8 rows of 200-900 tokens
+        rows = batch(1 + i % 8, 200 + 80 * (i % 8 + i % 3))
+        cost.observe(rows, step(rows))
+    short, long = batch(8, 400), batch(4, 4000)
+    assert cost.predict(short) == pytest.approx(step(short), rel=0.05)
+    learned = cost.factor("kivi4", context_bucket(400))  # keys a small share: held near the prior
+    assert learned < DraftCost.PRIOR - 0.1, learned
+    unmeasured = cost.factor("kivi4", context_bucket(4000))
+    assert learned < unmeasured < DraftCost.PRIOR, (learned, unmeasured)
+    for i in range(40):
+        rows = batch(1 + i % 4, 3000 + 200 * (i % 5))
+        cost.observe(rows, step(rows))
+    assert cost.factor("kivi4", context_bucket(4000)) == pytest.approx(0.5, abs=0.1)
+    assert cost.predict(long) == pytest.approx(step(long), rel=0.05)
+    assert cost.predict(short) == pytest.approx(step(short), rel=0.05)
+    # another compressor measured nowhere takes the measured ones' factor in its band
+    assert cost.factor("streamingllm", context_bucket(4000)) == pytest.approx(cost.factor("kivi4", context_bucket(4000)))
+
+
+def test_acceptance_learned_at_short_context_raises_a_long_band_by_a_bounded_step():
+    """kivi4 agreed on nearly every draft of W1/W2's short prompts (0.998); carried whole to
+    the 4k band it priced 16-token drafts as near certain there. A raise is held to
+    MAX_RAISE log-odds above the band's calibrated prior; a drop still carries (see the test
+    above)."""
+    ctl = Controller(max_draft_len=16)
+    for i in range(40):
+        ctl.observe_round([Row(f"k{i}", 400, 400, "kivi4")], 8, 0.1, 0.1, [8], [8])
+    assert ctl._prior("kivi4", 400).alpha > 0.99
+    static = prior_acceptance("kivi4", 4000)
+    raised = ctl._prior("kivi4", 4000).alpha
+    limit = 1 / (1 + (1 - static) / static * math.exp(-Controller.MAX_RAISE))
+    assert static < raised <= limit + 1e-9, (static, raised, limit)
+
+
+def test_the_build_of_an_entry_is_priced_over_the_requests_life():
+    """A request's first round builds its entry from the whole prompt: at 4k tokens 2.8 s for
+    kivi4 and 0.5 s for streamingllm (bench_adaptive --quick's W3 at 4b346c1). Where kivi4's
+    rounds are a little faster, a request with a long life still drafts from it, one with 48
+    tokens to go from the dropper; a request already on kivi4 is not moved for the rebuild."""
+    ctl = Controller(max_draft_len=16)
+    for i in range(8):  # first rounds: 0.7 s per 1000 tokens for kivi4, 0.13 s for streamingllm;
+        # kivi4 agrees on every draft, streamingllm on 6 of 8: kivi4's rounds are the faster
+        ctl.observe_round([Row(f"k{i}", 4000, 4000, "kivi4")], 8, 0.8, 0.4, [8], [8], setup_seconds=2.8)
+        ctl.observe_round([Row(f"s{i}", 4000, 1000, "streamingllm")], 8, 0.4, 0.4, [8], [6], setup_seconds=0.52)
+    assert ctl.costs.build("kivi4", 4000) == pytest.approx(2.8, rel=0.1)
+    assert ctl.costs.build("streamingllm", 4000) == pytest.approx(0.52, rel=0.1)
+    ctl.drafted_at = {"streamingllm": (4000, 4000), "kivi4": (4000, 4000)}  # no trials: the predictions decide
+    assert ctl.choose_compressor(CANDIDATES, 4000, "long", remaining=100000) == "kivi4"
+    assert ctl.choose_compressor(CANDIDATES, 4000, "short", remaining=48) == "streamingllm"
+    for _ in range(4):
+        ctl.observe_round([Row("k", 4000, 4000, "kivi4")], 8, 0.8, 0.4, [8], [8])
+    assert ctl.choose_compressor(CANDIDATES, 4000, "k", current="kivi4", margin=0.15, remaining=48) == "kivi4"
 
 
 def test_a_new_compressor_for_one_row_is_priced_with_the_batch_it_drafts_in():

@@ -154,23 +154,30 @@ class Controller:
         return self.priors[key]
 
     TRANSFER_WEIGHT = 8.0  # drafts of evidence at which the other bands' lesson counts half
+    BAND_TRUST = 0.5  # what a band one away teaches of this one's (per band between them)
+    MAX_RAISE = 0.5  # log-odds the other bands may raise a band's start above its calibrated prior
 
     def _band_start(self, compressor: str, context: int) -> float:
         """Where a band no round has taught starts: the calibrated prior at its context, moved
         (in log-odds) by what the compressor's other bands taught against their own priors,
-        in proportion to their evidence (a compressor that agrees less than calibrated at 1k
-        likely does at 2k too, while a dropper's rise with context stays)."""
+        in proportion to their evidence and by half per band between (a compressor that
+        agrees less than calibrated at 1k likely does at 2k too, while a dropper's rise with
+        context stays). A raise is held to ``MAX_RAISE``: a quantizer agreeing on 0.998 of
+        short prompts' drafts started the 4k band there, and priced its 16-token drafts as
+        nearly sure (bench_adaptive's W3 chose it where a dropper was 1.4x faster); a drop
+        carries whole, the cautious direction."""
         shift, weight = 0.0, 0.0
+        here = context_bucket(context)
         for (name, band), acc in self.priors.items():
-            seen = acc.slow[0] + acc.slow[1]
+            seen = (acc.slow[0] + acc.slow[1]) * self.BAND_TRUST ** abs(band - here)
             if name == compressor and seen > 0:
                 shift += seen * (_logit(acc.alpha) - _logit(acc.prior))
                 weight += seen
         static = prior_acceptance(compressor, context)
         if not weight:
             return static
-        moved = _logit(static) + shift / weight * weight / (weight + self.TRANSFER_WEIGHT)
-        return 1.0 / (1.0 + math.exp(-moved))
+        moved = min(shift / weight * weight / (weight + self.TRANSFER_WEIGHT), self.MAX_RAISE)
+        return 1.0 / (1.0 + math.exp(-(_logit(static) + moved)))
 
     def alpha(self, rid, compressor: str, context: int = 0) -> float:
         own = self.rows.get(rid)
@@ -293,10 +300,14 @@ class Controller:
         its whole prompt once, and would price every later round as if it did again); row i drafted ``drafted[i]`` tokens of which verify
         accepted ``accepted[i]`` (a deferred row: 0 drafted)."""
         drafting = [r for r in rows if not r.queued]
-        if all(r.rid in self.rows for r in rows):  # else a row's first round: its whole entry built, once
+        new = [r for r in rows if r.rid not in self.rows]  # their first round: whole entries built, once
+        if not new:
             self.costs.observe_residual(rows, self.costs.modeled_round_seconds(rows, steps),
                                         draft_seconds + verify_seconds + setup_seconds)
             self.costs.observe_setup(rows, setup_seconds)
+        else:
+            steady = sum(self.costs.setup(r.compressor) for r in rows if r.rid in self.rows)
+            self.costs.observe_build(new, max(setup_seconds - steady, 0.0))
         if steps and drafting and draft_seconds > 0:
             self.costs.draft.observe(drafting, draft_seconds / steps)
         self.costs.verify.observe(self.costs.verify_x(rows, steps + 1), verify_seconds)
@@ -322,9 +333,11 @@ class Controller:
     EXPLORE_RANGE = 4.0  # "near": within this factor of a context its drafts were measured at
     EXPLORE_WAIT = 16  # decode iterations a trial waits for its request's first round before another may try
 
+    HORIZON = 256  # tokens a request is expected to emit when its max_new_tokens is unknown
+
     def choose_compressor(self, candidates: Sequence[tuple[str, float]], context: int,
                           rid=None, current: Optional[str] = None, margin: float = 0.0, rows: int = 1,
-                          others: Sequence[Row] = ()) -> str:
+                          others: Sequence[Row] = (), remaining: Optional[int] = None) -> str:
         """The candidate (name, fraction of the full KV a draft step reads) with the most
         expected tokens per second for a request of ``context`` tokens drafting in a batch of
         ``rows`` requests: ``others`` as they are (the running batch, this request left out)
@@ -341,7 +354,13 @@ class Controller:
         prior, so without this a candidate predicted second would never be measured at all.
         One request at a time tries it (another may once ``EXPLORE_WAIT`` decode iterations
         pass without its drafts measured: it may have finished at its prefill); the re-choice
-        after its own rounds moves it back when the measurements say so."""
+        after its own rounds moves it back when the measurements say so.
+
+        Each rate is over the request's life (``remaining`` tokens, else ``HORIZON``) and counts
+        the one-time build of its entry (and the others' arriving with it): a kivi4 entry of
+        a 4k prompt took 2.8 s to build where streamingllm's took 0.5 s, more than a 48-token
+        request's whole decode. A re-choice (``current``) pays the rebuild for the other
+        candidates only."""
         others = [r for r in others if r.rid != rid][:max(0, rows - 1)]
         fractions = dict(candidates)
         alike = max(1, rows - len(others))  # this request and the others arriving with it
@@ -354,9 +373,14 @@ class Controller:
             mine = [Row(rid, context, int(context * fractions[name]), name)]
             mine += [Row(rid, context, int(context * fractions[rest]), rest)] * (alike - 1)
             batch = others + mine
-            return max((expected_tokens(alpha(name), d) + expected_tokens(alpha(rest), d) * (alike - 1)
-                        + self.tokens(others, d)) / max(self.costs.round_seconds(batch, d), 1e-9)
-                       for d in self.candidate_lens())
+            steady = max((expected_tokens(alpha(name), d) + expected_tokens(alpha(rest), d) * (alike - 1)
+                          + self.tokens(others, d)) / max(self.costs.round_seconds(batch, d), 1e-9)
+                         for d in self.candidate_lens())
+            builds = 0.0 if name == current else self.costs.build(name, context)
+            if current is None:
+                builds += self.costs.build(rest, context) * (alike - 1)
+            life = (remaining or self.HORIZON) * len(batch) / max(steady, 1e-9)  # seconds of the batch's decode
+            return steady * life / (life + builds)
 
         rates = {name: rate(name) for name in fractions}
         best = max(rates, key=rates.get)

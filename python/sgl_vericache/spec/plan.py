@@ -126,7 +126,7 @@ class Planner:
         cfg = request_config(custom, self.vc)
         name = cfg.compressor
         if name == AUTO:
-            name = self._choose(cfg, len(req.origin_input_ids), req.rid, rows=rows)
+            name = self._choose(cfg, len(req.origin_input_ids), req.rid, rows=rows, remaining=_remaining(req))
         fixed = isinstance(custom, dict) and "vericache_draft_len" in custom
         return Plan(self._compressor(cfg, name), cfg.draft_len, fixed=fixed, auto=cfg.compressor == AUTO)
 
@@ -136,14 +136,15 @@ class Planner:
             self.compressors[key] = cfg.build_compressor(name)
         return self.compressors[key]
 
-    def _choose(self, cfg: VeriCacheConfig, context: int, rid=None, current=None, rows: int = 1) -> str:
+    def _choose(self, cfg: VeriCacheConfig, context: int, rid=None, current=None, rows: int = 1,
+                remaining: Optional[int] = None) -> str:
         """``rows``: the batch it drafts in; the last decode iteration's rows (the running
         batch) are priced as they are, the rest like this request."""
         if self.controller is None:
             return AUTO_CANDIDATES[0]
         candidates = [(name, draft_kv_fraction(self._compressor(cfg, name))) for name in AUTO_CANDIDATES]
         return self.controller.choose_compressor(candidates, context, rid, current, margin=0.15, rows=rows,
-                                                 others=self._running())
+                                                 others=self._running(), remaining=remaining)
 
     def forget(self, rid) -> None:
         self.plans.pop(rid, None)
@@ -220,7 +221,8 @@ class Planner:
         if forced:
             name = AUTO_CANDIDATES[(AUTO_CANDIDATES.index(plan.compressor.name) + 1) % len(AUTO_CANDIDATES)]
         else:
-            name = self._choose(cfg, row.full_kv, req.rid, plan.compressor.name, rows=len(self.rows))
+            name = self._choose(cfg, row.full_kv, req.rid, plan.compressor.name, rows=len(self.rows),
+                                remaining=row.remaining)
         if name != plan.compressor.name:  # its next sync rebuilds its compressed entry
             self.plans[req.rid] = plan._replace(compressor=self._compressor(cfg, name), switches=plan.switches + 1)
             self.controller.forget(req.rid)  # its acceptance was the old compressor's

@@ -13,8 +13,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from sgl_vericache.mem_cache.compress.registry import available_compressors
-
 def context_bucket(context: int) -> int:
     """The context band a compressor's shared acceptance is learned per: below 1k, 1-2k, 2-4k,
     ... (a dropper keeping a quarter agrees far less at 300 tokens than at 4k: 0.83 against
@@ -72,6 +70,18 @@ class OnlineLinear:
         self.seen = [0.0] * n  # the largest value of each feature observed
         self.spread = 0.5  # running mean of the (clipped) relative errors
 
+    def add_feature(self, prior: float, prior_sd: float) -> None:
+        """A new feature (its weight ``prior`` until measurements say otherwise); every
+        measurement so far had it at 0."""
+        self.prior.append(float(prior))
+        self.prior_sd.append(prior_sd)
+        self.w.append(float(prior))
+        self.seen.append(0.0)
+        for row in self.a:
+            row.append(0.0)
+        self.a.append([0.0] * len(self.w))
+        self.b.append(0.0)
+
     def predict(self, x: Sequence[float]) -> float:
         """``w . x``, never less than at ``x`` cut back to the largest values measured: a weight
         below zero is noise fitted inside the measured range (a cost term that is too small to
@@ -119,8 +129,9 @@ class DraftCost:
     priced from the plain-step model at the KV the drafts read: its part without KV (weights,
     ``plain.predict([1, rows, 0])``) times a factor shared by every draft (half-precision draft
     weights, the round's bookkeeping), plus its KV part (``plain.predict([1, rows, draft KV])``
-    less that) times a factor per compressor (how fast that compressor's draft path reads a key
-    against plain decoding's attention: a dense copy, dequantization, a kernel).
+    less that) times a factor per compressor and context band (how fast that compressor's
+    draft path reads a key against plain decoding's attention: a dense copy, dequantization,
+    a kernel).
 
     The KV dependence thus comes from the plain-step fit, which can learn it: plain steps are
     measured at every context the server sees. A fit of its own on ``[1, rows, draft KV]``
@@ -128,11 +139,19 @@ class DraftCost:
     prior, and a quantizer draft reading a request's full 4k KV was priced like a dropper's
     reading 1k (bench_adaptive's W3 then chose kivi4 and decoded plainly).
 
-    The factors are fitted (``OnlineLinear``) to each measured draft step, relative to
-    the plain step at the drafts' KV (features: the two parts' shares of it, the KV part split
-    by the rows' compressors; target: the measured step over it). A compressor no draft step
-    has measured yet takes the measured ones' mean KV factor. With ``padded`` (the dense draft
-    buffers of the CPU path) every row reads as many keys as the longest row of the batch."""
+    The KV factors are kept per context band (``context_bucket`` of the rows' full KV): at a
+    few hundred tokens keys are a small share of a step and the factor fitted there is
+    mostly the plain model's split error (kivi4 learned 0.27 on W1/W2's short prompts, where
+    0.47 matched its dense 4k copies at 4 x 4k, and W3 chose it). A band no draft step has
+    measured takes the compressor's nearest measured band, drawn toward the prior by half
+    per band between them; a compressor measured nowhere, the mean of the others measured in
+    that band (else the prior).
+
+    The factors are fitted (``OnlineLinear``, a feature added per (compressor, band) as it
+    first drafts) to each measured draft step, relative to the plain step at the drafts' KV
+    (features: the two parts' shares of it, the KV part split by the rows' (compressor,
+    band); target: the measured step over it). With ``padded`` (the dense draft buffers of
+    the CPU path) every row reads as many keys as the longest row of the batch."""
 
     # both factors' prior: decode_medium.json's draft steps (streamingllm, kivi4; 2k x 1, 4k x 4)
     # took 0.55-0.7 of a plain step
@@ -141,65 +160,75 @@ class DraftCost:
     # draft step, not where a 10% error in the plain model's split would leak into them
     KV_SD = 0.15
     FLOOR = 0.05
+    BAND_TRUST = 0.5  # what a factor measured one band away says about this one (per band, toward the prior)
 
     def __init__(self, plain: OnlineLinear, padded: bool = True):
         self.plain, self.padded = plain, padded
-        self.index = {name: i + 1 for i, name in enumerate(available_compressors())}  # compressor -> its factor's slot
-        n = len(self.index) + 2  # [shared, per compressor..., any other compressor]
-        self.fit = OnlineLinear([self.PRIOR] * n, forget=0.95, prior_sd=[self.PRIOR] + [self.KV_SD] * (n - 1))
-        self.measured = [0] * n  # draft steps measured per factor
+        self.fit = OnlineLinear([self.PRIOR], forget=0.95, prior_sd=[self.PRIOR])  # [shared, per (compressor, band)...]
+        self.index = {}  # (compressor, band) -> its factor's slot in fit
+        self.measured = [0]  # draft steps measured per slot
         self.samples = 0
 
-    def _slot(self, compressor: str) -> int:
-        return self.index.get(compressor, len(self.measured) - 1)
+    @staticmethod
+    def key(row: Row) -> tuple:
+        return row.compressor, context_bucket(row.full_kv)
 
-    def _pooled(self) -> float:
-        """The KV factor of a compressor not measured yet: the measured ones' mean (the prior before any)."""
-        seen = [max(w, self.FLOOR) for w, n in zip(self.fit.w[1:], self.measured[1:]) if n]
-        return sum(seen) / len(seen) if seen else self.PRIOR
+    def _measured(self, key) -> Optional[float]:
+        i = self.index.get(key)
+        return max(self.fit.w[i], self.FLOOR) if i is not None and self.measured[i] else None
 
-    def factor(self, compressor: str) -> float:
-        i = self._slot(compressor)
-        return max(self.fit.w[i], self.FLOOR) if self.measured[i] else self._pooled()
+    def factor(self, compressor: str, band: int) -> float:
+        """The KV factor of ``compressor``'s drafts at context band ``band``."""
+        own = self._measured((compressor, band))
+        if own is not None:
+            return own
+        near = [(abs(b - band), b) for (name, b), i in self.index.items() if name == compressor and self.measured[i]]
+        if near:
+            distance, b = min(near)
+            return self.PRIOR + (self._measured((compressor, b)) - self.PRIOR) * self.BAND_TRUST ** distance
+        others = [self._measured(k) for k in self.index if k[1] == band and self._measured(k) is not None]
+        return sum(others) / len(others) if others else self.PRIOR
 
     def base_x(self, rows: Sequence[Row]) -> list:
         """The plain-step features of the KV the drafts read (thousands of tokens)."""
         kv = len(rows) * max(r.draft_kv for r in rows) if self.padded else sum(r.draft_kv for r in rows)
         return [1.0, float(len(rows)), kv / 1000]
 
-    def features(self, rows: Sequence[Row]) -> tuple[float, list]:
-        """Seconds of a plain step at the drafts' KV, and its parts' shares: [without KV, the
-        KV part x each slot's share of the rows]."""
+    def features(self, rows: Sequence[Row]) -> tuple[float, float, dict]:
+        """Seconds of a plain step at the drafts' KV, and its parts' shares: without KV, and
+        the KV part split by (compressor, band)'s share of the rows."""
         x = self.base_x(rows)
         base = self.plain.predict(x)
         fixed = min(self.plain.predict([x[0], x[1], 0.0]), base)
-        out = [fixed / base if base > 0 else 1.0] + [0.0] * (len(self.measured) - 1)
+        fixed_share = fixed / base if base > 0 else 1.0
+        shares = {}
         for r in rows:
-            out[self._slot(r.compressor)] += (1.0 - out[0]) / len(rows)
-        return base, out
-
-    def _weights(self) -> list:
-        pooled = self._pooled()
-        return [max(w, self.FLOOR) if n or i == 0 else pooled
-                for i, (w, n) in enumerate(zip(self.fit.w, self.measured))]
+            shares[self.key(r)] = shares.get(self.key(r), 0.0) + (1.0 - fixed_share) / len(rows)
+        return base, fixed_share, shares
 
     def predict(self, rows: Sequence[Row]) -> float:
         if not rows:
             return 0.0
-        base, x = self.features(rows)
-        return base * sum(w * v for w, v in zip(self._weights(), x))
+        base, fixed_share, shares = self.features(rows)
+        return base * (max(self.fit.w[0], self.FLOOR) * fixed_share
+                       + sum(self.factor(*key) * share for key, share in shares.items()))
 
     def observe(self, rows: Sequence[Row], seconds: float) -> None:
         """One draft step of ``rows`` took ``seconds``."""
         if not rows:
             return
-        base, x = self.features(rows)
+        base, fixed_share, shares = self.features(rows)
         if not (base > 0 and seconds > 0 and math.isfinite(seconds)):
             return
-        pooled = self._pooled()
-        for i, v in enumerate(x):
-            if v and i and not self.measured[i]:
-                self.fit.prior[i] = self.fit.w[i] = pooled  # a compressor's first measurement starts from the others' factor
+        for key in shares:
+            if key not in self.index:  # first drafts in this band: the fit starts from the factor it was priced at
+                start = self.factor(*key)
+                self.index[key] = len(self.measured)
+                self.fit.add_feature(start, self.KV_SD)
+                self.measured.append(0)
+        x = [fixed_share] + [0.0] * len(self.index)
+        for key, share in shares.items():
+            x[self.index[key]] = share
         self.fit.observe(x, seconds / base)
         self.measured = [n + (v > 0) for n, v in zip(self.measured, x)]
         self.samples += 1
@@ -219,12 +248,19 @@ class Costs:
     # compressor -> seconds a steady round spends bringing one of its rows' compressed entry
     # and draft buffer up to date (a quantizer re-lays its groups; a dropper appends)
     setup_per_row: dict = field(default_factory=dict)
+    # compressor -> seconds its first round spends building a row's entry, per 1000 tokens of
+    # context (the whole prompt read and compressed once; again after a switch)
+    build_per_ktok: dict = field(default_factory=dict)
 
     # (compressor, context band) -> measured over modeled seconds of its steady rounds: what the
     # linear models miss (a quantizer's dense 4k copies at batch 4 ran rounds 1.5-2x the model)
     residual: dict = field(default_factory=dict)
 
     SETUP_RATE = 0.3
+    # a build's prior before any is measured (2.1 s for streamingllm's 4 x 4k first round, 11 s
+    # for kivi4's, in bench_adaptive --quick at 4b346c1: 0.13 and 0.7 s per 1000 tokens)
+    BUILD_PRIOR = 0.1
+    BUILD_RATE = 0.5
     RESIDUAL_RATE, RESIDUAL_RANGE = 0.3, (0.5, 3.0)
 
     def __post_init__(self):
@@ -291,3 +327,25 @@ class Costs:
             share = sum(r.compressor == name for r in rows) / len(rows)
             old = self.setup(name)
             self.setup_per_row[name] = old + self.SETUP_RATE * share * (per_row - old)
+
+    def build(self, compressor: str, context: int) -> float:
+        """Seconds a row of ``context`` tokens spends building its ``compressor`` entry, once
+        (a compressor not measured yet: the measured ones' mean)."""
+        per = self.build_per_ktok.get(compressor)
+        if per is None:
+            known = list(self.build_per_ktok.values())
+            per = sum(known) / len(known) if known else self.BUILD_PRIOR
+        return per * context / 1000
+
+    def observe_build(self, new: Sequence[Row], seconds: float) -> None:
+        """A round's rows ``new`` built their entries (their first round) in ``seconds``
+        (the round's setup less the steady setup of its other rows): each compressor's
+        estimate moves by its rows' share of the predicted build."""
+        predicted = sum(self.build(r.compressor, r.full_kv) for r in new)
+        if not new or predicted <= 0 or not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        ratio = seconds / predicted
+        for name in {r.compressor for r in new}:
+            share = sum(self.build(r.compressor, r.full_kv) for r in new if r.compressor == name) / predicted
+            old = self.build(name, 1000)
+            self.build_per_ktok[name] = old * (1 + self.BUILD_RATE * share * (ratio - 1))
