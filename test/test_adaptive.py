@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from sgl_vericache.spec.adaptive import Acceptance, Controller, Row, expected_tokens, prior_acceptance
-from sgl_vericache.spec.step_costs import OnlineLinear, context_bucket
+from sgl_vericache.spec.step_costs import DraftCost, OnlineLinear, context_bucket
 
 
 class World:
@@ -482,8 +482,6 @@ def test_a_draft_cost_factor_is_learned_per_context_band():
     contexts, learned on W1's short prompts, priced its 4k drafts at half their cost and W3
     chose it). An unmeasured band starts between the nearest measured one and the prior;
     measured, each band keeps its own factor."""
-    from sgl_vericache.spec.step_costs import DraftCost, context_bucket
-
     plain = OnlineLinear([0.05, 0.015, 0.011])
     cost = DraftCost(plain)
     true = {context_bucket(400): 0.27, context_bucket(4000): 0.5}
