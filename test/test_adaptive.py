@@ -637,6 +637,22 @@ def test_planner_forgets_requests_that_finish_at_their_prefill():
     assert not planner.unseen and planner.rows[0].remaining == 64
 
 
+def test_planner_forgets_a_request_aborted_while_its_prefix_was_fetched():
+    """Fetch drafting plans a request while its prefix is still read from a tier, before any
+    prefill; aborted then, it never joins a batch and no departure reports it: its plan goes
+    at the next iteration, while one still waiting keeps its plan."""
+    planner = _planner()
+    waiting, aborted = _Req("waiting", 4000), _Req("aborted", 4000)
+    planner.plan(waiting)
+    planner.plan(aborted)
+    aborted.done = True
+    running = [_Req("r0", 1000)]
+    planner.plan_arriving(running)
+    planner.decide(running, [1000], (), False)
+    assert set(planner.plans) == {"waiting", "r0"}, set(planner.plans)
+    assert set(planner.unseen) == {"waiting"}
+
+
 def test_planner_prices_arrivals_beside_the_running_batch_not_a_finished_one():
     planner = _planner()
     first = [_Req(f"a{i}", 500) for i in range(2)]

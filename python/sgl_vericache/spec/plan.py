@@ -99,6 +99,10 @@ class Planner:
                 self.abort(req, message, status=500)
                 plan = Plan(self.default_compressor, 1, message)
             self.plans[req.rid] = plan
+            if all(r is not req for r in self.batch_reqs):
+                # planned before any decode batch had it (at its prefill, or while its prefix
+                # was still fetched, for drafting meanwhile): an abort then reports no departure
+                self.unseen.setdefault(req.rid, req)
             self._trace("plan", rid=req.rid, context=len(req.origin_input_ids), compressor=plan.compressor.name)
         return plan
 
@@ -164,14 +168,13 @@ class Planner:
         """Whether this decode iteration is a round (else plain decoding). ``queued``: rids
         with drafts made ahead."""
         self.decision = self.rows = None
-        self.batch_reqs = []
+        self.batch_reqs = list(reqs)
         self._forget_finished()
         for req in reqs:
             self.unseen.pop(req.rid, None)
         if self.controller is None:
             return True
         plans = [self.plan(r, len(reqs)) for r in reqs]
-        self.batch_reqs = list(reqs)
         self.rows = [Row(req.rid, n, int(n * draft_kv_fraction(plan.compressor)), plan.compressor.name,
                          plan.draft_len if plan.fixed else None, req.rid in queued, _remaining(req))
                      for req, n, plan in zip(reqs, verified, plans)]
