@@ -30,8 +30,8 @@ def quantize_asym(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, t
     span = xf.amax(dim, keepdim=True) - zero.float()
     scale = (span / levels).to(META_DTYPE)
     inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
-    codes = ((xf - zero.float()) * inv).round().clamp_(0, levels).to(torch.uint8)
-    return codes, scale, zero
+    codes = (xf - zero.float()).mul_(inv).round_().clamp_(0, levels)  # in place: one temporary
+    return codes.to(torch.uint8), scale, zero
 
 
 def dequantize_asym(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -41,15 +41,19 @@ def dequantize_asym(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """[..., D] uint8 codes < 2^bits -> [..., D * bits / 8] uint8 (low bits first)."""
     per_byte = 8 // bits
-    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte).to(torch.int32)
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
-    return (grouped << shifts).sum(-1).to(torch.uint8)
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    # OR of shifted uint8 codes (they never overlap), not a sum in int32: a prompt's first
+    # compress packs every code, and the widening copies cost as much as the quantizing
+    packed = grouped[..., 0].clone()
+    for i in range(1, per_byte):
+        packed |= grouped[..., i] << (i * bits)
+    return packed
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
-    codes = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits)).to(torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed[..., None] >> shifts) & (2**bits - 1)  # uint8 throughout: no widening copies
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 # ---------------------------------------------------------------- KIVI
