@@ -27,6 +27,7 @@ from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor, full
 # (layer_id, start, end) -> (k, v), each [end - start, H_kv, D]: verified KV of a request
 ReadKV = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
 _ROW_ALIGN = 64  # buffer rows are allocated in multiples of this, so small growth reuses them
+_GROW_ROOM = 8  # a grown buffer has 1/_GROW_ROOM of its rows spare (see _grow)
 
 
 @dataclass
@@ -155,7 +156,10 @@ class CompressedKVStore:
         self._round = _Round(entries, dense_lens, width, steps, valid, [0] * self.num_layers,
                              any(selects_per_step(e.compressor) for e in entries))
         if self._grow(len(entries), width + steps):  # new buffers: nothing to reuse
-            tails = [self._tails(b, entry, reuse=False) for b, entry in enumerate(entries)]
+            # rows already materialized whole (a request's first round) are not done twice:
+            # that is 4 x 4000 tokens x 30 layers of dequantizing again for kivi4
+            tails = [t if _whole(t) else self._tails(b, entry, reuse=False) for b, (t, entry)
+                     in enumerate(zip(tails, entries))]
         if valid is not None:
             self._round.valid = valid.to(self._k_buf[0].device)
         for layer_id in range(self.num_layers):
@@ -300,12 +304,14 @@ class CompressedKVStore:
         if k_buf is not None and k_buf.shape[0] >= rows and k_buf.shape[2] >= cols:
             return False
         ref = self._reference_layer()
-        # room for one more alignment step: a batch whose draft length goes from 8 to 16, or
-        # whose entries grow across the next boundary, does not reallocate and re-lay every
-        # row at once (0.87 s at 4 x 1k keys in bench_adaptive's W3)
+        cols = max(cols, 0 if k_buf is None else k_buf.shape[2])
+        # room for an eighth more (one alignment step at least): a batch whose draft length
+        # goes from 8 to 16, or whose entries grow across the next boundary, does not
+        # reallocate and re-lay every row at once (0.87 s at 4 x 1k keys in bench_adaptive's
+        # W3). A fixed step alone re-laid 4 x 4k kivi4 rows every ~64 decoded tokens (0.7 s).
+        room = max(_ROW_ALIGN, cols // _GROW_ROOM)
         shape = (max(rows, 0 if k_buf is None else k_buf.shape[0]), ref.num_kv_heads,
-                 (-(-max(cols, 0 if k_buf is None else k_buf.shape[2]) // _ROW_ALIGN) + 1) * _ROW_ALIGN,
-                 ref.head_dim)
+                 -(-(cols + room) // _ROW_ALIGN) * _ROW_ALIGN, ref.head_dim)
         self._k_buf = [None] * self.num_layers  # free the old ones first
         self._v_buf = [None] * self.num_layers
         self._k_buf = [torch.zeros(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
@@ -365,6 +371,11 @@ class CompressedKVStore:
                     layer.check_integrity()
         for k_buf, v_buf in zip(self._k_buf, self._v_buf):
             assert (k_buf is None) == (v_buf is None) and (k_buf is None or k_buf.shape == v_buf.shape)
+
+
+def _whole(per_layer) -> bool:
+    """Every layer's tail starts at row 0: the request is materialized whole."""
+    return all(t is None or t[0] == 0 for t in per_layer)
 
 
 def _rows(per_layer) -> int:
