@@ -155,7 +155,8 @@ class CompressedKVStore:
             valid = ((cols[None, :] < lens[:, None]) | (cols[None, :] >= width))[:, None, None, :]
         self._round = _Round(entries, dense_lens, width, steps, valid, [0] * self.num_layers,
                              any(selects_per_step(e.compressor) for e in entries))
-        if self._grow(len(entries), width + steps):  # new buffers: nothing to reuse
+        grown = self._grow(len(entries), width + steps)
+        if grown:  # new buffers: nothing to reuse
             # rows already materialized whole (a request's first round) are not done twice:
             # that is 4 x 4000 tokens x 30 layers of dequantizing again for kivi4
             tails = [t if _whole(t) else self._tails(b, entry, reuse=False) for b, (t, entry)
@@ -169,6 +170,8 @@ class CompressedKVStore:
                     start, k, v = per_layer[layer_id]
                     k_buf[b, :, start : dense_lens[b]] = k.transpose(0, 1)
                     v_buf[b, :, start : dense_lens[b]] = v.transpose(0, 1)
+            if grown:
+                self._zero_unlaid(layer_id, dense_lens)
         self._laid_out = [(entry, list(entry.layers), n) for entry, n in zip(entries, dense_lens)]
 
     def _tails(self, row: int, entry: _RequestEntry, reuse: bool):
@@ -298,7 +301,7 @@ class CompressedKVStore:
 
     def _grow(self, rows: int, cols: int) -> bool:
         """Make every layer's buffers hold [rows, H_kv, cols, D]; True if they were
-        reallocated (their old contents are gone). Kept between rounds, so steady
+        reallocated (their contents are undefined: the caller lays or zeroes every row). Kept between rounds, so steady
         decoding allocates nothing."""
         k_buf = self._k_buf[0]
         if k_buf is not None and k_buf.shape[0] >= rows and k_buf.shape[2] >= cols:
@@ -314,9 +317,19 @@ class CompressedKVStore:
                  -(-(cols + room) // _ROW_ALIGN) * _ROW_ALIGN, ref.head_dim)
         self._k_buf = [None] * self.num_layers  # free the old ones first
         self._v_buf = [None] * self.num_layers
-        self._k_buf = [torch.zeros(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
-        self._v_buf = [torch.zeros(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
+        # uninitialized: begin_round lays every row and zeroes the rest (_zero_unlaid)
+        self._k_buf = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
+        self._v_buf = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
         return True
+
+    def _zero_unlaid(self, layer_id: int, dense_lens: list[int]) -> None:
+        """Zero what this round did not lay in a new (uninitialized) buffer: padding columns
+        are read under a False mask, and garbage there (NaN) would still poison the softmax.
+        Writing only these, not zeros first and then the rows, halves a first round's stores."""
+        for buf in (self._k_buf[layer_id], self._v_buf[layer_id]):
+            for b, n in enumerate(dense_lens):
+                buf[b, :, n:].zero_()
+            buf[len(dense_lens):].zero_()
 
     def _reference_layer(self):
         for entry in self._round.entries:
