@@ -301,8 +301,8 @@ class CompressedKVStore:
 
     def _grow(self, rows: int, cols: int) -> bool:
         """Make every layer's buffers hold [rows, H_kv, cols, D]; True if they were
-        reallocated (their contents are undefined: the caller lays or zeroes every row). Kept between rounds, so steady
-        decoding allocates nothing."""
+        reallocated (their contents are undefined: the caller lays or zeroes every row).
+        Kept between rounds, so steady decoding allocates nothing."""
         k_buf = self._k_buf[0]
         if k_buf is not None and k_buf.shape[0] >= rows and k_buf.shape[2] >= cols:
             return False
