@@ -38,6 +38,16 @@ def dequantize_asym(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return codes.float() * scale.float() + zero.float()
 
 
+def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+    """out[...] = dequantize_asym(codes, scale, zero) in out's dtype: the same fp32 products
+    and sums, computed in place where out is fp32 (a first round dequantizes whole prompts)."""
+    work = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    work.copy_(codes)
+    work.mul_(scale.float()).add_(zero.float())
+    if work is not out:
+        out.copy_(work)
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """[..., D] uint8 codes < 2^bits -> [..., D * bits / 8] uint8 (low bits first)."""
     per_byte = 8 // bits
@@ -159,12 +169,16 @@ class KiviCompressor(KVCompressor):
         num_q, num_heads, head_dim = layer.quantized_len - start, layer.num_kv_heads, layer.head_dim
         vgroup = min(group, head_dim)
         g0 = start // group
+        # dequantized straight into the output, the recent window after: no concatenation
+        k = layer.k_recent.new_empty((num_q + layer.k_recent.shape[0], num_heads, head_dim))
+        v = torch.empty_like(k)
         k_codes = unpack_bits(layer.k_codes[start:], self.bits).reshape(num_q // group, group, num_heads, head_dim)
-        k = dequantize_asym(k_codes, layer.k_scale[g0:, None], layer.k_zero[g0:, None])
+        dequantize_into(k[:num_q].view(k_codes.shape), k_codes, layer.k_scale[g0:, None], layer.k_zero[g0:, None])
         v_codes = unpack_bits(layer.v_codes[start:], self.bits).reshape(num_q, num_heads, head_dim // vgroup, vgroup)
-        v = dequantize_asym(v_codes, layer.v_scale[start:, ..., None], layer.v_zero[start:, ..., None])
-        k = torch.cat([k.reshape(num_q, num_heads, head_dim).to(layer.dtype), layer.k_recent])
-        v = torch.cat([v.reshape(num_q, num_heads, head_dim).to(layer.dtype), layer.v_recent])
+        dequantize_into(v[:num_q].view(v_codes.shape), v_codes, layer.v_scale[start:, ..., None],
+                        layer.v_zero[start:, ..., None])
+        k[num_q:] = layer.k_recent
+        v[num_q:] = layer.v_recent
         return k, v
 
     def stable_rows(self, old, new):
