@@ -135,14 +135,17 @@ class KiviCompressor(KVCompressor):
 
     def append(self, layer, k, v, queries=None):
         check_append(layer, k, v)
-        k_recent = torch.cat([layer.k_recent, k])
-        v_recent = torch.cat([layer.v_recent, v])
+        # a first compress reads the prompt where it lies: copying it whole into the recent
+        # window first was a third of compress(); the clones below keep the entry a value
+        fresh = layer.k_recent.shape[0] == 0
+        k_recent = k if fresh else torch.cat([layer.k_recent, k])
+        v_recent = v if fresh else torch.cat([layer.v_recent, v])
         num_tokens = layer.num_tokens + k.shape[0]
         flush = self.quantized_len(num_tokens) - layer.quantized_len  # a multiple of group_size
         merged = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
         if flush:  # otherwise the quantized tensors are shared: entries are never modified
             new = self._quantize(k_recent[:flush], v_recent[:flush])
-            merged = [torch.cat([a, b]) for a, b in zip(merged, new)]
+            merged = [b if not a.shape[0] else torch.cat([a, b]) for a, b in zip(merged, new)]
         return KiviLayer(num_tokens, layer.num_kv_heads, layer.head_dim, layer.dtype, *merged,
                          k_recent[flush:].clone(), v_recent[flush:].clone())
 
