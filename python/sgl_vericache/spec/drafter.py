@@ -311,8 +311,8 @@ class CompressedKVStore:
         # room for an eighth more (one alignment step at least): a batch whose draft length
         # goes from 8 to 16, or whose entries grow across the next boundary, does not
         # reallocate and re-lay every row at once (0.87 s at 4 x 1k keys in bench_adaptive's
-        # W3). A fixed step alone re-laid 4 x 4k kivi4 rows every ~64 decoded tokens (0.5 s
-        # each, offline, after the other fixes here).
+        # W3). A fixed step alone re-laid 4 x 4k kivi4 rows every 64-128 decoded tokens
+        # (0.7-0.8 s each, offline; now one re-lay per ~500 tokens there, 0.6 s).
         room = max(_ROW_ALIGN, cols // _GROW_ROOM)
         shape = (max(rows, 0 if k_buf is None else k_buf.shape[0]), ref.num_kv_heads,
                  -(-(cols + room) // _ROW_ALIGN) * _ROW_ALIGN, ref.head_dim)
