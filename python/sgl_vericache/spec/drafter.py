@@ -145,7 +145,8 @@ class CompressedKVStore:
         if self._kernel_round is not None:
             self._round, self._laid_out = None, []  # the dense buffers sit this round out
             return
-        tails = [self._tails(b, entry, reuse=True) for b, entry in enumerate(entries)]
+        sources = self._sources(entries)
+        tails = [self._tails(entry, src) for entry, src in zip(entries, sources)]
         dense_lens = [_rows(t) for t in tails]
         width = max(dense_lens, default=0)
         valid = None
@@ -159,27 +160,37 @@ class CompressedKVStore:
         if grown:  # new buffers: nothing to reuse
             # rows already materialized whole (a request's first round) are not done twice:
             # that is 4 x 4000 tokens x 30 layers of dequantizing again for kivi4
-            tails = [t if _whole(t) else self._tails(b, entry, reuse=False) for b, (t, entry)
-                     in enumerate(zip(tails, entries))]
+            tails = [t if _whole(t) else self._tails(entry, None) for t, entry in zip(tails, entries)]
+            sources = [None] * len(entries)
         if valid is not None:
             self._round.valid = valid.to(self._k_buf[0].device)
         for layer_id in range(self.num_layers):
             k_buf, v_buf = self._buffers(layer_id, len(entries), width + steps)
-            for b, per_layer in enumerate(tails):
+            for b, (per_layer, src) in enumerate(zip(tails, sources)):
                 if per_layer[layer_id] is not None:
                     start, k, v = per_layer[layer_id]
+                    if start and src != b:  # moved down: its kept rows come from its old row
+                        k_buf[b, :, :start] = self._k_buf[layer_id][src, :, :start]
+                        v_buf[b, :, :start] = self._v_buf[layer_id][src, :, :start]
                     k_buf[b, :, start : dense_lens[b]] = k.transpose(0, 1)
                     v_buf[b, :, start : dense_lens[b]] = v.transpose(0, 1)
             if grown:
                 self._zero_unlaid(layer_id, dense_lens)
         self._laid_out = [(entry, list(entry.layers), n) for entry, n in zip(entries, dense_lens)]
 
-    def _tails(self, row: int, entry: _RequestEntry, reuse: bool):
-        """Per layer (start, k, v): the materialized rows [start:] of the entry that row
-        ``row`` of the buffers lacks, or None for an empty layer."""
-        prev = self._laid_out[row] if reuse and row < len(self._laid_out) else None
-        if prev is not None and prev[0] is not entry:
-            prev = None  # the row held another request (or an entry since rebuilt)
+    def _sources(self, entries: list[_RequestEntry]) -> list[Optional[int]]:
+        """Per row: the buffer row that holds the entry's rows from the last round, or None
+        (new to the buffers). That is the row itself, or a later one when requests before
+        it left the batch: rows are laid in order, so a row moving down is copied before
+        anything overwrites it; one moving up is laid anew."""
+        laid = {id(entry): row for row, (entry, _, _) in enumerate(self._laid_out)}
+        return [src if src is not None and src >= b else None
+                for b, src in enumerate(laid.get(id(entry)) for entry in entries)]
+
+    def _tails(self, entry: _RequestEntry, src: Optional[int]):
+        """Per layer (start, k, v): the materialized rows [start:] of the entry that buffer
+        row ``src`` (None: none) does not hold, or None for an empty layer."""
+        prev = None if src is None else self._laid_out[src]
         out = []
         for layer_id, layer in enumerate(entry.layers):
             if layer is None or layer.num_tokens == 0:
