@@ -261,6 +261,31 @@ def test_batched_draft_rounds_equal_each_request_alone(methods):
     assert store.buffer_nbytes() == 0 and store.nbytes() == 0  # idle: nothing held
 
 
+@pytest.mark.parametrize("method", ["kivi4", "streamingllm", "int8"])
+def test_a_row_moved_down_lays_the_same_values_as_a_fresh_buffer(method):
+    """When requests before it leave the batch, a request's row moves down: its kept rows
+    are copied from its old row and only its tail is materialized. What it then holds is
+    bit-equal to what a store that never saw the earlier rounds lays for the same entry."""
+    compressor = get_compressor(method, 4.0)
+    kv = [_kv(600, dim=16, seed=i) for i in range(3)]
+    stores = [CompressedKVStore(compressor, num_layers=2) for _ in range(2)]
+
+    def sync(store, rids, length):
+        for i in rids:
+            store.sync(i, length + 7 * i, lambda _, s, e, k=kv[i][0], v=kv[i][1]: (k[s:e], v[s:e]))
+
+    sync(stores[0], [0, 1, 2], 300)
+    stores[0].begin_round([0, 1, 2], 4)
+    for store in stores:
+        sync(store, [0, 1, 2], 341)  # KIVI flushes a group on the way: the tail is more than new tokens
+        store.begin_round([2], 3)  # row 2 -> row 0; in the fresh store, laid whole
+    n = stores[1]._round.dense_lens[0]
+    assert stores[0]._round.dense_lens[0] == n
+    for layer_id in range(2):
+        for old, fresh in zip(stores[0]._buffers(layer_id, 1, n), stores[1]._buffers(layer_id, 1, n)):
+            assert torch.equal(old, fresh), (method, layer_id)
+
+
 def test_store_compresses_and_reports_size():
     k, v = _kv(2048, dim=64)
     store = CompressedKVStore(get_compressor("kivi4"), num_layers=1)

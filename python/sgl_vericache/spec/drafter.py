@@ -27,6 +27,7 @@ from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor, full
 # (layer_id, start, end) -> (k, v), each [end - start, H_kv, D]: verified KV of a request
 ReadKV = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
 _ROW_ALIGN = 64  # buffer rows are allocated in multiples of this, so small growth reuses them
+_GROW_ROOM = 8  # a grown buffer has 1/_GROW_ROOM of its rows spare (see _grow)
 
 
 @dataclass
@@ -144,7 +145,8 @@ class CompressedKVStore:
         if self._kernel_round is not None:
             self._round, self._laid_out = None, []  # the dense buffers sit this round out
             return
-        tails = [self._tails(b, entry, reuse=True) for b, entry in enumerate(entries)]
+        sources = self._sources(entries)
+        tails = [self._tails(entry, src) for entry, src in zip(entries, sources)]
         dense_lens = [_rows(t) for t in tails]
         width = max(dense_lens, default=0)
         valid = None
@@ -154,25 +156,41 @@ class CompressedKVStore:
             valid = ((cols[None, :] < lens[:, None]) | (cols[None, :] >= width))[:, None, None, :]
         self._round = _Round(entries, dense_lens, width, steps, valid, [0] * self.num_layers,
                              any(selects_per_step(e.compressor) for e in entries))
-        if self._grow(len(entries), width + steps):  # new buffers: nothing to reuse
-            tails = [self._tails(b, entry, reuse=False) for b, entry in enumerate(entries)]
+        grown = self._grow(len(entries), width + steps)
+        if grown:  # new buffers: nothing to reuse
+            # rows already materialized whole (a request's first round) are not done twice:
+            # that is 4 x 4000 tokens x 30 layers of dequantizing again for kivi4
+            tails = [t if _whole(t) else self._tails(entry, None) for t, entry in zip(tails, entries)]
+            sources = [None] * len(entries)
         if valid is not None:
             self._round.valid = valid.to(self._k_buf[0].device)
         for layer_id in range(self.num_layers):
             k_buf, v_buf = self._buffers(layer_id, len(entries), width + steps)
-            for b, per_layer in enumerate(tails):
+            for b, (per_layer, src) in enumerate(zip(tails, sources)):
                 if per_layer[layer_id] is not None:
                     start, k, v = per_layer[layer_id]
+                    if start and src != b:  # moved down: its kept rows come from its old row
+                        k_buf[b, :, :start] = self._k_buf[layer_id][src, :, :start]
+                        v_buf[b, :, :start] = self._v_buf[layer_id][src, :, :start]
                     k_buf[b, :, start : dense_lens[b]] = k.transpose(0, 1)
                     v_buf[b, :, start : dense_lens[b]] = v.transpose(0, 1)
+            if grown:
+                self._zero_unlaid(layer_id, dense_lens)
         self._laid_out = [(entry, list(entry.layers), n) for entry, n in zip(entries, dense_lens)]
 
-    def _tails(self, row: int, entry: _RequestEntry, reuse: bool):
-        """Per layer (start, k, v): the materialized rows [start:] of the entry that row
-        ``row`` of the buffers lacks, or None for an empty layer."""
-        prev = self._laid_out[row] if reuse and row < len(self._laid_out) else None
-        if prev is not None and prev[0] is not entry:
-            prev = None  # the row held another request (or an entry since rebuilt)
+    def _sources(self, entries: list[_RequestEntry]) -> list[Optional[int]]:
+        """Per row: the buffer row that holds the entry's rows from the last round, or None
+        (new to the buffers). That is the row itself, or a later one when requests before
+        it left the batch: rows are laid in order, so a row moving down is copied before
+        anything overwrites it; one moving up is laid anew."""
+        laid = {id(entry): row for row, (entry, _, _) in enumerate(self._laid_out)}
+        return [src if src is not None and src >= b else None
+                for b, src in enumerate(laid.get(id(entry)) for entry in entries)]
+
+    def _tails(self, entry: _RequestEntry, src: Optional[int]):
+        """Per layer (start, k, v): the materialized rows [start:] of the entry that buffer
+        row ``src`` (None: none) does not hold, or None for an empty layer."""
+        prev = None if src is None else self._laid_out[src]
         out = []
         for layer_id, layer in enumerate(entry.layers):
             if layer is None or layer.num_tokens == 0:
@@ -294,23 +312,36 @@ class CompressedKVStore:
 
     def _grow(self, rows: int, cols: int) -> bool:
         """Make every layer's buffers hold [rows, H_kv, cols, D]; True if they were
-        reallocated (their old contents are gone). Kept between rounds, so steady
-        decoding allocates nothing."""
+        reallocated (their contents are undefined: the caller lays or zeroes every row).
+        Kept between rounds, so steady decoding allocates nothing."""
         k_buf = self._k_buf[0]
         if k_buf is not None and k_buf.shape[0] >= rows and k_buf.shape[2] >= cols:
             return False
         ref = self._reference_layer()
-        # room for one more alignment step: a batch whose draft length goes from 8 to 16, or
-        # whose entries grow across the next boundary, does not reallocate and re-lay every
-        # row at once (0.87 s at 4 x 1k keys in bench_adaptive's W3)
+        cols = max(cols, 0 if k_buf is None else k_buf.shape[2])
+        # room for an eighth more (one alignment step at least): a batch whose draft length
+        # goes from 8 to 16, or whose entries grow across the next boundary, does not
+        # reallocate and re-lay every row at once (0.87 s at 4 x 1k keys in bench_adaptive's
+        # W3). A fixed step alone re-laid 4 x 4k kivi4 rows every 64-128 decoded tokens
+        # (0.7-0.8 s each, offline; now one re-lay per ~500 tokens there, 0.6 s).
+        room = max(_ROW_ALIGN, cols // _GROW_ROOM)
         shape = (max(rows, 0 if k_buf is None else k_buf.shape[0]), ref.num_kv_heads,
-                 (-(-max(cols, 0 if k_buf is None else k_buf.shape[2]) // _ROW_ALIGN) + 1) * _ROW_ALIGN,
-                 ref.head_dim)
+                 -(-(cols + room) // _ROW_ALIGN) * _ROW_ALIGN, ref.head_dim)
         self._k_buf = [None] * self.num_layers  # free the old ones first
         self._v_buf = [None] * self.num_layers
-        self._k_buf = [torch.zeros(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
-        self._v_buf = [torch.zeros(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
+        # uninitialized: begin_round lays every row and zeroes the rest (_zero_unlaid)
+        self._k_buf = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
+        self._v_buf = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in range(self.num_layers)]
         return True
+
+    def _zero_unlaid(self, layer_id: int, dense_lens: list[int]) -> None:
+        """Zero what this round did not lay in a new (uninitialized) buffer: padding columns
+        are read under a False mask, and garbage there (NaN) would still poison the softmax.
+        Writing only these, not zeros first and then the rows, halves a first round's stores."""
+        for buf in (self._k_buf[layer_id], self._v_buf[layer_id]):
+            for b, n in enumerate(dense_lens):
+                buf[b, :, n:].zero_()
+            buf[len(dense_lens):].zero_()
 
     def _reference_layer(self):
         for entry in self._round.entries:
@@ -365,6 +396,11 @@ class CompressedKVStore:
                     layer.check_integrity()
         for k_buf, v_buf in zip(self._k_buf, self._v_buf):
             assert (k_buf is None) == (v_buf is None) and (k_buf is None or k_buf.shape == v_buf.shape)
+
+
+def _whole(per_layer) -> bool:
+    """Every layer's tail starts at row 0: the request is materialized whole."""
+    return all(t is None or t[0] == 0 for t in per_layer)
 
 
 def _rows(per_layer) -> int:

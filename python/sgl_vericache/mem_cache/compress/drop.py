@@ -113,10 +113,14 @@ class StreamingLLMCompressor(TokenDropper):
                 f"accepted: an integer in [num_sinks={self.options['num_sinks']}, inf]"
             )
 
-    def keep_mask(self, positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def kept_ends(self, positions: torch.Tensor, num_tokens: int) -> tuple[int, int]:
+        """positions [N] ascending -> (head, tail): keep the first ``head`` and the last ``tail``
+        of them, the sinks and the recent window (disjoint: the window starts past the sinks)."""
         budget = self.budget(num_tokens)
         sinks = min(self.options["num_sinks"], budget)
-        return (positions < sinks) | (positions >= num_tokens - (budget - sinks))
+        bounds = torch.tensor([sinks, num_tokens - (budget - sinks)], dtype=positions.dtype, device=positions.device)
+        head, window_start = torch.searchsorted(positions.contiguous(), bounds).tolist()
+        return head, positions.shape[0] - window_start
 
     def compress(self, k, v, queries=None):
         check_kv(k, v)
@@ -130,11 +134,14 @@ class StreamingLLMCompressor(TokenDropper):
         num_tokens = layer.num_tokens + k.shape[0]
         new_pos = self._new_positions(layer.num_tokens, k.shape[0], layer.num_kv_heads, k.device)
         positions = torch.cat([layer.positions, new_pos])
-        keep = self.keep_mask(positions[:, 0], num_tokens)  # same tokens in every head
-        assert int(keep.sum()) == self.budget(num_tokens), "an evicted token was needed again"
+        head, tail = self.kept_ends(positions[:, 0], num_tokens)  # same tokens in every head
+        assert head + tail == self.budget(num_tokens), "an evicted token was needed again"
+
+        def kept(x):  # two slices, not a boolean index: 2x faster per append of a steady round
+            return torch.cat([x[:head], x[x.shape[0] - tail:]])
+
         return KeptTokensLayer(num_tokens, layer.num_kv_heads, layer.head_dim, layer.dtype,
-                               torch.cat([layer.k, k])[keep], torch.cat([layer.v, v])[keep],
-                               positions[keep].contiguous(), None)
+                               kept(torch.cat([layer.k, k])), kept(torch.cat([layer.v, v])), kept(positions), None)
 
 
 # ---------------------------------------------------------------- scored droppers

@@ -30,26 +30,40 @@ def quantize_asym(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, t
     span = xf.amax(dim, keepdim=True) - zero.float()
     scale = (span / levels).to(META_DTYPE)
     inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
-    codes = ((xf - zero.float()) * inv).round().clamp_(0, levels).to(torch.uint8)
-    return codes, scale, zero
+    codes = (xf - zero.float()).mul_(inv).round_().clamp_(0, levels)  # in place: one temporary
+    return codes.to(torch.uint8), scale, zero
 
 
 def dequantize_asym(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale.float() + zero.float()
 
 
+def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+    """out[...] = dequantize_asym(codes, scale, zero) in out's dtype: the same fp32 products
+    and sums, computed in place where out is fp32 (a first round dequantizes whole prompts)."""
+    work = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    work.copy_(codes)
+    work.mul_(scale.float()).add_(zero.float())
+    if work is not out:
+        out.copy_(work)
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """[..., D] uint8 codes < 2^bits -> [..., D * bits / 8] uint8 (low bits first)."""
     per_byte = 8 // bits
-    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte).to(torch.int32)
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
-    return (grouped << shifts).sum(-1).to(torch.uint8)
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    # OR of shifted uint8 codes (they never overlap), not a sum in int32: a prompt's first
+    # compress packs every code, and the widening copies cost as much as the quantizing
+    packed = grouped[..., 0].clone()
+    for i in range(1, per_byte):
+        packed |= grouped[..., i] << (i * bits)
+    return packed
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
-    codes = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits)).to(torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed[..., None] >> shifts) & (2**bits - 1)  # uint8 throughout: no widening copies
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 # ---------------------------------------------------------------- KIVI
@@ -121,14 +135,17 @@ class KiviCompressor(KVCompressor):
 
     def append(self, layer, k, v, queries=None):
         check_append(layer, k, v)
-        k_recent = torch.cat([layer.k_recent, k])
-        v_recent = torch.cat([layer.v_recent, v])
+        # a first compress reads the prompt where it lies: copying it whole into the recent
+        # window first was a third of compress(); the clones below keep the entry a value
+        fresh = layer.k_recent.shape[0] == 0
+        k_recent = k if fresh else torch.cat([layer.k_recent, k])
+        v_recent = v if fresh else torch.cat([layer.v_recent, v])
         num_tokens = layer.num_tokens + k.shape[0]
         flush = self.quantized_len(num_tokens) - layer.quantized_len  # a multiple of group_size
         merged = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
         if flush:  # otherwise the quantized tensors are shared: entries are never modified
             new = self._quantize(k_recent[:flush], v_recent[:flush])
-            merged = [torch.cat([a, b]) for a, b in zip(merged, new)]
+            merged = [b if not a.shape[0] else torch.cat([a, b]) for a, b in zip(merged, new)]
         return KiviLayer(num_tokens, layer.num_kv_heads, layer.head_dim, layer.dtype, *merged,
                          k_recent[flush:].clone(), v_recent[flush:].clone())
 
@@ -155,12 +172,16 @@ class KiviCompressor(KVCompressor):
         num_q, num_heads, head_dim = layer.quantized_len - start, layer.num_kv_heads, layer.head_dim
         vgroup = min(group, head_dim)
         g0 = start // group
+        # dequantized straight into the output, the recent window after: no concatenation
+        k = layer.k_recent.new_empty((num_q + layer.k_recent.shape[0], num_heads, head_dim))
+        v = torch.empty_like(k)
         k_codes = unpack_bits(layer.k_codes[start:], self.bits).reshape(num_q // group, group, num_heads, head_dim)
-        k = dequantize_asym(k_codes, layer.k_scale[g0:, None], layer.k_zero[g0:, None])
+        dequantize_into(k[:num_q].view(k_codes.shape), k_codes, layer.k_scale[g0:, None], layer.k_zero[g0:, None])
         v_codes = unpack_bits(layer.v_codes[start:], self.bits).reshape(num_q, num_heads, head_dim // vgroup, vgroup)
-        v = dequantize_asym(v_codes, layer.v_scale[start:, ..., None], layer.v_zero[start:, ..., None])
-        k = torch.cat([k.reshape(num_q, num_heads, head_dim).to(layer.dtype), layer.k_recent])
-        v = torch.cat([v.reshape(num_q, num_heads, head_dim).to(layer.dtype), layer.v_recent])
+        dequantize_into(v[:num_q].view(v_codes.shape), v_codes, layer.v_scale[start:, ..., None],
+                        layer.v_zero[start:, ..., None])
+        k[num_q:] = layer.k_recent
+        v[num_q:] = layer.v_recent
         return k, v
 
     def stable_rows(self, old, new):
