@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import NamedTuple, Optional, Sequence
 
 from sgl_vericache.config import AUTO, AUTO_CANDIDATES, VeriCacheConfig, request_config
@@ -235,7 +236,7 @@ class Planner:
 
     def _trace(self, event: str, **fields) -> None:
         if self.trace is not None:
-            self.trace.write(json.dumps({"event": event, **fields}, default=str) + "\n")
+            self.trace.write(json.dumps({"event": event, "at": round(time.monotonic(), 4), **fields}, default=str) + "\n")
 
     def _count_prediction(self, seconds: float) -> None:
         if self.decision is not None:
