@@ -157,6 +157,52 @@ def test_corpus_native_bodies_are_refused_by_the_rules():
             refused(case["body"])
 
 
+@pytest.mark.parametrize("value, named", [
+    (1, "response_format 1 is not an object"),
+    ([{"type": "json_object"}], "response_format [{'type': 'json_object'}] is not an object"),
+    ("json_object", "response_format 'json_object' is not an object"),
+    ({"type": "json_schema", "schema": 5}, "response_format.schema 5 is not an object"),
+    ({"type": "json_schema", "schema": {"properties": [1]}}, "response_format.schema.properties [1]"),
+    ({"type": "json_schema", "schema": {"properties": {"strict": 1}}}, "response_format.schema.properties.strict 1"),
+])
+def test_response_format_refused(value, named):
+    with pytest.raises(checks.RequestError, match="accepted") as info:
+        checks.check_response_format(value)
+    assert named in str(info.value)
+
+
+@pytest.mark.parametrize("value", [None, {}, {"type": "text"}, {"type": "json_object"},
+                                   {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+                                   {"type": "json_schema", "schema": {"title": "T", "properties": {
+                                       "strict": {"default": True}, "a": {"type": "string"}}}},
+                                   {"type": "nope", "schema": 5}])  # a bad type is pydantic's to refuse
+def test_response_format_accepted(value):
+    checks.check_response_format(value)
+
+
+def test_chat_body_checks_on_sglangs_routes():
+    """The hook on SGLang's real chat request model, installed after ``http_server`` built
+    its routes (the late path; the plugin's usual early one is test_api_fuzz's corpus over
+    HTTP): a response_format that is not an object is SGLang's 400 naming it, where it was
+    an AttributeError and a 500; a good one still reaches the model."""
+    from fastapi.testclient import TestClient
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    from sgl_vericache.sglang.runtime import Runtime
+    from sgl_vericache.sglang.validation import install_chat_body_checks
+
+    install_chat_body_checks(Runtime())
+    install_chat_body_checks(Runtime())  # again: idempotent
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+    reply = TestClient(http_server.app).post("/v1/chat/completions", json=dict(body, response_format=[1]))
+    assert reply.status_code == 400, reply.text[:300]
+    assert "response_format [1] is not an object" in reply.text
+    shorthand = {"type": "json_schema", "schema": {"title": "T", "properties": {"strict": {"default": True}}}}
+    request = ChatCompletionRequest.model_validate(dict(body, response_format=shorthand))
+    assert request.response_format.json_schema.name == "T" and request.response_format.json_schema.strict is True
+
+
 # -- containment --------------------------------------------------------------------------
 
 

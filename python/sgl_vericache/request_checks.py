@@ -15,7 +15,9 @@ server. These are the fields and the rules (docs/reliability.md has the full tab
 - ``session_params``: SGLang's ``SessionParams`` fields with their types (an unknown one was
   a 500, a wrong type reaches the scheduler);
 - ``sampling_params.custom_params``: VeriCache's ``vericache_*`` keys, when VeriCache is
-  on, through ``config.request_config`` (so a bad override is refused before it is queued).
+  on, through ``config.request_config`` (so a bad override is refused before it is queued);
+- an OpenAI chat ``response_format``: an object (SGLang's pre-validation read it with ``.get``
+  before pydantic checked its type; a number there was a 500).
 
 Every error is a ``RequestError`` (a ``ValueError``: SGLang answers it with a 400) whose
 message names the field, the value and what is accepted. ``Names`` maps the native field
@@ -174,6 +176,32 @@ def check_custom_params(custom_params: Any, where: str, vericache: Any) -> None:
         raise RequestError(f"{prefix}{exc}") from None
     except Exception as exc:  # a parser that raised something else: still this request's value
         raise RequestError(f"{prefix}custom_params {show(custom_params)}: {type(exc).__name__}: {exc}") from None
+
+
+def check_response_format(value: Any, name: str = "response_format") -> None:
+    """An OpenAI ``response_format`` in the shape SGLang's chat request reads before pydantic
+    checks its type: an object, and for ``json_schema`` a ``schema`` given at the top level
+    (SGLang's shorthand) an object whose ``properties`` is an object."""
+    if not value:
+        return
+    accepted = ('an object: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                '"json_schema": {"name": ..., "schema": {...}}}')
+    if not isinstance(value, dict):
+        raise RequestError(f"{name} {show(value)} is not an object; accepted: {accepted}")
+    if value.get("type") != "json_schema" or value.get("json_schema"):
+        return
+    schema = value.get("schema")
+    if not schema:
+        return
+    if not isinstance(schema, dict):
+        raise RequestError(f"{name}.schema {show(schema)} is not an object; accepted: a JSON schema object")
+    properties = schema.get("properties")
+    if "properties" in schema and not isinstance(properties, dict):
+        raise RequestError(f"{name}.schema.properties {show(properties)} is not an object; "
+                           "accepted: an object of property schemas")
+    if isinstance(properties, dict) and properties.get("strict") and not isinstance(properties["strict"], dict):
+        raise RequestError(f"{name}.schema.properties.strict {show(properties['strict'])} is not an object; "
+                           "accepted: a property schema such as {\"default\": true}")
 
 
 # -- whole requests ------------------------------------------------------------------------

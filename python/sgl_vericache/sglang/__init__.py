@@ -42,6 +42,7 @@ def register_all() -> Runtime:
     runtime = _PROCESS_RUNTIME = Runtime()
     vc = VeriCacheConfig.from_env() or VeriCacheConfig()
     installs = [
+        validation.install_chat_body_checks,  # chat bodies' response_format: a 400, before routes are built
         spec_algorithm.install_spec_algorithm,  # --speculative-algorithm VERICACHE
         sampling.install_seeded_sampling,  # sampling_seed on the pytorch sampler, per row
         sampling.install_verify_sampler,  # sampled rounds' acceptance; deferred rows accept nothing

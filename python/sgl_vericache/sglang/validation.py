@@ -146,3 +146,51 @@ def install_openai_checks(runtime: Runtime) -> None:
 
     patch(OpenAIServingCompletion, "_convert_to_internal_request", runtime, maker(checks.OPENAI_COMPLETIONS))
     patch(OpenAIServingChat, "_convert_to_internal_request", runtime, maker(checks.OPENAI_CHAT))
+
+
+def install_chat_body_checks(runtime: Runtime) -> None:
+    """``/v1/chat/completions``' body model: SGLang's "before" validator ``set_json_schema``
+    reads ``response_format`` with ``.get`` before pydantic checks its type, so a number or a
+    list there raised AttributeError through pydantic, a 500. The hook checks the shape first
+    (a ValueError, which pydantic reports as a validation error: SGLang's 400), and the model
+    is rebuilt so its validator calls the hook. Must run before ``http_server`` builds its
+    routes (they keep the validator of the model they were built with): the plugin runs
+    first in every entry point, and a late install rebuilds the routes' body fields too."""
+    if not enabled():
+        return
+    import dataclasses
+    import sys
+
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    def make(original):
+        def set_json_schema(cls, values):
+            if isinstance(values, dict):
+                checks.check_response_format(values.get("response_format"))
+            return original(cls, values)
+
+        return set_json_schema
+
+    hook = patch(ChatCompletionRequest, "set_json_schema", runtime, make)
+    validators = ChatCompletionRequest.__pydantic_decorators__.model_validators
+    if getattr(validators["set_json_schema"].func, "__func__", None) is hook:
+        return  # this process's model already calls the hook
+    validators["set_json_schema"] = dataclasses.replace(validators["set_json_schema"],
+                                                        func=ChatCompletionRequest.set_json_schema)
+    ChatCompletionRequest.model_rebuild(force=True)
+    http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
+    if http_server is not None:
+        _rebuild_body_fields(http_server.app, ChatCompletionRequest)
+
+
+def _rebuild_body_fields(app, model) -> None:
+    """Routes built before the model was rebuilt: their body fields' validators, anew."""
+    for route in getattr(app, "routes", []):
+        dependant = getattr(route, "dependant", None)
+        for field in getattr(dependant, "body_params", []) or []:
+            if getattr(field, "type_", None) is model or getattr(getattr(field, "field_info", None), "annotation",
+                                                                   None) is model:
+                field.__post_init__()
+        body_field = getattr(route, "body_field", None)
+        if body_field is not None and getattr(getattr(body_field, "field_info", None), "annotation", None) is model:
+            body_field.__post_init__()
