@@ -133,6 +133,11 @@ def warm_up(engines: dict, tok) -> None:
     ids = build_prompts(tok, 200, 2)
     for engine in engines.values():
         engine.generate(ids, [{"max_new_tokens": 16, "temperature": 0}] * len(ids))
+        # seeded sampling too: SGLang's multinomial_with_seed is torch.compile'd, and its first
+        # call compiled for seconds inside W1's first arm on each engine (rep 0: defaults 21.5 s,
+        # 13.7 s in rep 1, at 2f39552)
+        engine.generate(ids, [{"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9, "sampling_seed": 7 + i}
+                              for i in range(len(ids))])
         engine.flush_cache()
 
 
