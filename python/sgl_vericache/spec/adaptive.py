@@ -329,7 +329,10 @@ class Controller:
 
     # -- compressor choice (--vericache-compressor auto) ------------------------------
 
-    EXPLORE_WITHIN = 1.5  # a candidate not measured near a context is tried if predicted at most this much slower
+    # a candidate not measured near a context is tried if it would be the best at the optimistic
+    # end of what is unknown there: its rejections this fraction of its prior's, its rounds
+    # this fraction of their predicted cost
+    EXPLORE_REJECT, EXPLORE_COST = 0.5, 0.85
     EXPLORE_RANGE = 4.0  # "near": within this factor of a context its drafts were measured at
     EXPLORE_WAIT = 16  # decode iterations a trial waits for its request's first round before another may try
 
@@ -349,9 +352,13 @@ class Controller:
         on its own tokens per second while three others keep drafting well.
 
         A new request may instead try a candidate whose drafts were never measured near its
-        context (within ``EXPLORE_RANGE``) if that is predicted at most ``EXPLORE_WITHIN``
-        slower: its draft cost there is the plain model's extrapolation and its acceptance a
-        prior, so without this a candidate predicted second would never be measured at all.
+        context (within ``EXPLORE_RANGE``) if it would be the best at the optimistic end of
+        what is unknown (``EXPLORE_REJECT``, ``EXPLORE_COST``): its draft cost there is the
+        plain model's extrapolation and its acceptance a prior, so without this a candidate
+        predicted second would never be measured at all. Only optimistically best, not merely
+        close: one row of kivi4 tried among three streamingllm rows at 4k (its dense 4k copy
+        pads every row's draft step, and its entry took 1-3 s to build) made a fresh server's
+        first 4 x 4k batch 1.8x slower than drafting from streamingllm alone.
         One request at a time tries it (another may once ``EXPLORE_WAIT`` decode iterations
         pass without its drafts measured: it may have finished at its prefill); the re-choice
         after its own rounds moves it back when the measurements say so.
@@ -365,16 +372,22 @@ class Controller:
         fractions = dict(candidates)
         alike = max(1, rows - len(others))  # this request and the others arriving with it
 
-        def rate(name, rest=None):
+        def rate(name, rest=None, optimistic=False):
             """The batch's tokens per second, this request drafting from ``name`` and the others
-            arriving with it from ``rest`` (default: ``name`` too)."""
+            arriving with it from ``rest`` (default: ``name`` too); ``optimistic``: ``name``'s
+            acceptance and the rounds' cost at the favourable end of what is unknown."""
             rest = rest or name
-            alpha = lambda n: self.alpha(rid, n, context) if n == current else self._prior(n, context).alpha  # noqa: E731
+
+            def alpha(n):
+                a = self.alpha(rid, n, context) if n == current else self._prior(n, context).alpha
+                return 1.0 - (1.0 - a) * self.EXPLORE_REJECT if optimistic and n == name else a
+
+            slack = self.EXPLORE_COST if optimistic else 1.0
             mine = [Row(rid, context, int(context * fractions[name]), name)]
             mine += [Row(rid, context, int(context * fractions[rest]), rest)] * (alike - 1)
             batch = others + mine
             steady = max((expected_tokens(alpha(name), d) + expected_tokens(alpha(rest), d) * (alike - 1)
-                          + self.tokens(others, d)) / max(self.costs.round_seconds(batch, d), 1e-9)
+                          + self.tokens(others, d)) / max(slack * self.costs.round_seconds(batch, d), 1e-9)
                          for d in self.candidate_lens())
             builds = 0.0 if name == current else self.costs.build(name, context)
             if current is None:
@@ -390,7 +403,7 @@ class Controller:
             trial = self.exploring.get(name)
             if (name != best and (trial is None or self.iterations - trial[1] > self.EXPLORE_WAIT)
                     and not self.measured_near(name, context)
-                    and rate(name, rest=best) * self.EXPLORE_WITHIN >= rates[best]):  # one trial beside the rest
+                    and rate(name, rest=best, optimistic=True) >= rates[best]):  # one trial beside the rest
                 self.exploring[name] = (rid, self.iterations)
                 return name
         return best
