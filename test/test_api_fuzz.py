@@ -325,6 +325,8 @@ def completion_bodies(draw):
             prompt = bad_one
     body = {"model": "default", "prompt": prompt, "max_tokens": draw(small_max_new.filter(bool))}
     body.update(draw_fields(draw, fields, bad, chaos))
+    if chaos and draw(st.integers(0, 9)) == 0:
+        return draw(junk | st.just([body]))  # not even an object
     return body
 
 
@@ -371,6 +373,8 @@ def chat_bodies(draw):
     body.update(draw_fields(draw, fields, bad, chaos))
     if "tool_choice" in body and body.get("tool_choice") == "required" and "tools" not in body:
         body["tools"] = draw(good_tools)
+    if chaos and draw(st.integers(0, 9)) == 0:
+        return draw(junk | st.just([body]))  # not even an object (SGLang's pre-validator read it with .get)
     return body
 
 

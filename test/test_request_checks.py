@@ -171,6 +171,15 @@ def test_response_format_refused(value, named):
     assert named in str(info.value)
 
 
+def test_chat_body_refused_unless_an_object():
+    for body in ([{"model": "x"}], 1, "x", None, True):
+        with pytest.raises(checks.RequestError, match="is not a JSON object"):
+            checks.check_chat_body(body)
+    with pytest.raises(checks.RequestError, match="response_format 1"):
+        checks.check_chat_body({"model": "x", "response_format": 1})
+    checks.check_chat_body({"model": "x", "messages": []})
+
+
 @pytest.mark.parametrize("value", [None, {}, {"type": "text"}, {"type": "json_object"},
                                    {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
                                    {"type": "json_schema", "schema": {"title": "T", "properties": {
@@ -195,9 +204,13 @@ def test_chat_body_checks_on_sglangs_routes():
     install_chat_body_checks(Runtime())
     install_chat_body_checks(Runtime())  # again: idempotent
     body = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
-    reply = TestClient(http_server.app).post("/v1/chat/completions", json=dict(body, response_format=[1]))
+    client = TestClient(http_server.app)
+    reply = client.post("/v1/chat/completions", json=dict(body, response_format=[1]))
     assert reply.status_code == 400, reply.text[:300]
     assert "response_format [1] is not an object" in reply.text
+    for junk in ([body], 5, "hi", None):  # a body that is not an object reached the same .get
+        reply = client.post("/v1/chat/completions", content=json.dumps(junk), headers={"Content-Type": "application/json"})
+        assert reply.status_code == 400 and "is not a JSON object" in reply.text, (junk, reply.text[:300])
     shorthand = {"type": "json_schema", "schema": {"title": "T", "properties": {"strict": {"default": True}}}}
     request = ChatCompletionRequest.model_validate(dict(body, response_format=shorthand))
     assert request.response_format.json_schema.name == "T" and request.response_format.json_schema.strict is True

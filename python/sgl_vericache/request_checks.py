@@ -16,8 +16,8 @@ server. These are the fields and the rules (docs/reliability.md has the full tab
   a 500, a wrong type reaches the scheduler);
 - ``sampling_params.custom_params``: VeriCache's ``vericache_*`` keys, when VeriCache is
   on, through ``config.request_config`` (so a bad override is refused before it is queued);
-- an OpenAI chat ``response_format``: an object (SGLang's pre-validation read it with ``.get``
-  before pydantic checked its type; a number there was a 500).
+- an OpenAI chat body and its ``response_format``: objects (SGLang's pre-validation read them
+  with ``.get`` before pydantic checked their types; a number or a list there was a 500).
 
 Every error is a ``RequestError`` (a ``ValueError``: SGLang answers it with a 400) whose
 message names the field, the value and what is accepted. ``Names`` maps the native field
@@ -176,6 +176,16 @@ def check_custom_params(custom_params: Any, where: str, vericache: Any) -> None:
         raise RequestError(f"{prefix}{exc}") from None
     except Exception as exc:  # a parser that raised something else: still this request's value
         raise RequestError(f"{prefix}custom_params {show(custom_params)}: {type(exc).__name__}: {exc}") from None
+
+
+def check_chat_body(body: Any) -> None:
+    """An OpenAI chat body as SGLang's pre-validation reads it: a JSON object (a list or a
+    number reached ``.get``), with a ``response_format`` of the shape below."""
+    if body is None or isinstance(body, (list, str, int, float, bool)):
+        raise RequestError(f"the request body {show(body)} is not a JSON object; accepted: an object such as "
+                           '{"model": ..., "messages": [{"role": "user", "content": ...}]}')
+    if isinstance(body, dict):
+        check_response_format(body.get("response_format"))
 
 
 def check_response_format(value: Any, name: str = "response_format") -> None:

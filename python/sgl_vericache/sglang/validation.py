@@ -150,8 +150,9 @@ def install_openai_checks(runtime: Runtime) -> None:
 
 def install_chat_body_checks(runtime: Runtime) -> None:
     """``/v1/chat/completions``' body model: SGLang's "before" validator ``set_json_schema``
-    reads ``response_format`` with ``.get`` before pydantic checks its type, so a number or a
-    list there raised AttributeError through pydantic, a 500. The hook checks the shape first
+    reads the body and its ``response_format`` with ``.get`` before pydantic checks their
+    types, so a body or a ``response_format`` that is a number or a list raised
+    AttributeError through pydantic, a 500. The hook checks the shape first
     (a ValueError, which pydantic reports as a validation error: SGLang's 400), and the model
     is rebuilt so its validator calls the hook. Must run before ``http_server`` builds its
     routes (they keep the validator of the model they were built with): the plugin runs
@@ -165,8 +166,7 @@ def install_chat_body_checks(runtime: Runtime) -> None:
 
     def make(original):
         def set_json_schema(cls, values):
-            if isinstance(values, dict):
-                checks.check_response_format(values.get("response_format"))
+            checks.check_chat_body(values)
             return original(cls, values)
 
         return set_json_schema
