@@ -184,13 +184,10 @@ def install_chat_body_checks(runtime: Runtime) -> None:
 
 
 def _rebuild_body_fields(app, model) -> None:
-    """Routes built before the model was rebuilt: their body fields' validators, anew."""
-    for route in getattr(app, "routes", []):
-        dependant = getattr(route, "dependant", None)
-        for field in getattr(dependant, "body_params", []) or []:
-            if getattr(field, "type_", None) is model or getattr(getattr(field, "field_info", None), "annotation",
-                                                                   None) is model:
+    """Routes built before the model was rebuilt: their body fields' validators, anew (a
+    route's ``body_field`` is the same object as its dependant's one body parameter)."""
+    for route in app.routes:
+        dependant = getattr(route, "dependant", None)  # API routes only; mounts have none
+        for field in getattr(dependant, "body_params", ()):
+            if field.field_info.annotation is model:
                 field.__post_init__()
-        body_field = getattr(route, "body_field", None)
-        if body_field is not None and getattr(getattr(body_field, "field_info", None), "annotation", None) is model:
-            body_field.__post_init__()
