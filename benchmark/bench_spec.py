@@ -505,7 +505,9 @@ def preset_args(doc: str, config_cls, presets: dict, quick_help: str, default_ou
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     names = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("mode", "out")]
     for field in dataclasses.fields(config_cls):
-        if field.name in names:
+        if field.name in names and isinstance(field.default, bool):  # --flag / --no-flag
+            p.add_argument("--" + field.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None)
+        elif field.name in names:
             p.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=None)
     p.add_argument("--replot", action="store_true", help="only redraw the PNG and table from an existing --out JSON")
     args = p.parse_args()
@@ -514,6 +516,8 @@ def preset_args(doc: str, config_cls, presets: dict, quick_help: str, default_ou
     lows = {f.name: f.metadata.get("min") for f in dataclasses.fields(config_cls)}
     for name, value in overrides.items():
         lo = lows.get(name)
+        if isinstance(value, bool):
+            continue
         if isinstance(value, (int, float)) and lo is not None and value < lo:
             p.error(f"--{name.replace('_', '-')} {value} must be at least {lo}")
         if isinstance(value, (int, float)) and lo is None and value <= 0:
