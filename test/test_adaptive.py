@@ -483,6 +483,26 @@ def test_rounds_dearer_than_modeled_teach_a_factor_per_compressor_and_band():
     assert ctl.costs.residual_factor([Row("k", 1000, 1000, "kivi4")]) == 1.0
 
 
+def test_a_setup_stall_does_not_price_the_draft_steps():
+    """bench_adaptive's W3: a streamingllm 4 x 4k second round spent 0.78 s syncing its
+    entries (steady rounds 0.05 s) around draft steps and a verify that took what they always
+    do. The stall is the setup's (its own estimate, which cuts it), not the forward passes':
+    the residual factor must move as it does for the same round without the stall (the old
+    rule put it at 1.37 and priced the next 8-draft round at 1.30 s, where it took 0.93 s)."""
+    rows = [Row(f"s{i}", 4000, 1000, "streamingllm") for i in range(4)]
+    factors, prices = [], []
+    for setup in (0.05, 0.78):
+        ctl = Controller(max_draft_len=16)
+        ctl.observe_round(rows, 8, 0.48, 0.3, [8] * 4, [8] * 4, setup_seconds=1.9)  # first round: the build
+        for _ in range(3):
+            ctl.observe_round(rows, 8, 0.48, 0.3, [8] * 4, [8] * 4, setup_seconds=0.05)
+        ctl.observe_round(rows, 8, 0.48, 0.3, [8] * 4, [8] * 4, setup_seconds=setup)
+        factors.append(ctl.costs.residual_factor(rows))
+        prices.append(ctl.costs.round_seconds(rows, 8))
+    assert factors[1] == pytest.approx(factors[0]), factors
+    assert prices[1] - prices[0] < 0.1, prices  # only the (cut) setup estimate moved
+
+
 def test_a_draft_cost_factor_is_learned_per_context_band():
     """kivi4's draft steps read keys at 0.27 of a plain step's cost at 400 tokens (where keys
     are a small share of a step) and 0.5 at 4k (bench_adaptive's W3: one factor for all

@@ -302,8 +302,7 @@ class Controller:
         drafting = [r for r in rows if not r.queued]
         new = [r for r in rows if r.rid not in self.rows]  # their first round: whole entries built, once
         if not new:
-            self.costs.observe_residual(rows, self.costs.modeled_round_seconds(rows, steps),
-                                        draft_seconds + verify_seconds + setup_seconds)
+            self.costs.observe_residual(rows, self.costs.forward_seconds(rows, steps), draft_seconds + verify_seconds)
             self.costs.observe_setup(rows, setup_seconds)
         else:
             steady = sum(self.costs.setup(r.compressor) for r in rows if r.rid in self.rows)

@@ -277,12 +277,14 @@ class Costs:
         return [1.0, float(len(rows) * width), kv, kv * width]
 
     def round_seconds(self, rows: Sequence[Row], draft_len: int) -> float:
-        return self.modeled_round_seconds(rows, draft_len) * self.residual_factor(rows)
-
-    def modeled_round_seconds(self, rows: Sequence[Row], draft_len: int) -> float:
-        drafting = [r for r in rows if not r.queued]
-        return (draft_len * self.draft.predict(drafting) + self.verify_seconds(rows, draft_len + 1)
+        return (self.forward_seconds(rows, draft_len) * self.residual_factor(rows)
                 + sum(self.setup(r.compressor) for r in rows))
+
+    def forward_seconds(self, rows: Sequence[Row], draft_len: int) -> float:
+        """A round's draft steps and verify pass as the linear models price them (no setup:
+        that has its own estimate, ``setup``, and the residual does not see it)."""
+        drafting = [r for r in rows if not r.queued]
+        return draft_len * self.draft.predict(drafting) + self.verify_seconds(rows, draft_len + 1)
 
     def residual_factor(self, rows: Sequence[Row]) -> float:
         if not rows:
@@ -290,8 +292,13 @@ class Costs:
         return sum(self.residual.get((r.compressor, context_bucket(r.full_kv)), 1.0) for r in rows) / len(rows)
 
     def observe_residual(self, rows: Sequence[Row], modeled: float, seconds: float) -> None:
-        """A steady round took ``seconds`` where the models said ``modeled``: each of its
-        (compressor, band)'s factor moves by its rows' share, the ratio held to RESIDUAL_RANGE."""
+        """A steady round's draft steps and verify took ``seconds`` where the models said
+        ``modeled`` (``forward_seconds``): each of its (compressor, band)'s factor moves by its
+        rows' share, the ratio held to RESIDUAL_RANGE. Setup stays out of it: a round whose
+        entry sync stalled once (0.78 s where steady ones take 0.05 s: a streamingllm 4 x 4k
+        second round in bench_adaptive's W3, fresh memory for the grown entries) raised the
+        factor to 1.37 and priced the next 8-draft round at 1.30 s (it took 0.93 s), so a
+        3-draft round won the decision before it; ``observe_setup`` cuts such a sample."""
         if not rows or not (modeled > 0 and seconds > 0 and math.isfinite(seconds)):
             return
         lo, hi = self.RESIDUAL_RANGE
