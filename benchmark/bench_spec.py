@@ -160,10 +160,17 @@ class EngineProc:
         return self._reply()
 
     def flush_cache(self) -> bool:
-        """Empty the engine's prefix cache (SGLang flushes only when idle: it is, between
-        our calls), so that the next run prefills cold."""
-        self.conn.send(("flush",))
-        return self._reply()
+        """Empty the engine's prefix cache, so that the next run prefills cold. SGLang
+        flushes only when idle, and a scheduler may still be retiring the last batch for a
+        moment after ``generate`` returned (bench_adaptive's W2 warm pass at 4 agents: a flush
+        right after it was refused once): retried for up to 10 s."""
+        deadline = time.monotonic() + 10.0
+        while True:
+            self.conn.send(("flush",))
+            flushed = self._reply()
+            if flushed or time.monotonic() > deadline:
+                return flushed
+            time.sleep(0.2)
 
     def request_shutdown(self) -> None:
         """Ask the child to shut its engine down, without waiting (``shutdown`` waits)."""
