@@ -50,7 +50,8 @@ SHAPES = {"llama3-8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}  # (H_q, H_kv,
 COMBOS = [(32768, 8), (131072, 8), (32768, 32), (8192, 8), (131072, 32), (8192, 32), (32768, 1),
           (131072, 1), (8192, 1)]
 METHODS = {"kivi4": {"group_size": 32, "residual_length": 128}, "kivi2": {"group_size": 32, "residual_length": 128},
-           "int8": {}, "fp8": {"scale": "head"}, "droppers": {}, "quest": {}}
+           "int8": {}, "fp8": {"scale": "head"}, "droppers": {}, "quest": {},
+           "quest_query": {"heads": "query"}}  # Quest's default heads="kv", and the paper's per-query-head choice
 # the launch search, per head shape at 32k x 8: (block_n, num_warps, num_stages) x the
 # method's variants (quantizers: half products or fp32 dequantization, and how the codes are
 # decoded), interleaved so a short budget still tries every variant, then the best at 1 and 4
@@ -59,10 +60,12 @@ METHODS = {"kivi4": {"group_size": 32, "residual_length": 128}, "kivi2": {"group
 # unpacking, unpack=1, 10-20x slower; int8 / fp8 unfolded, fold=False, 0.7x of folded at
 # edf012c.)
 TUNE_CONFIGS = [(32, 2, 3), (64, 4, 3), (32, 4, 2), (128, 4, 2), (64, 2, 3)]
-TUNE_VARIANTS = {m: [{"half": False}, {"half": True}, {"half": True, "asm": 0}] for m in ("kivi4", "kivi2")}
-TUNE_VARIANTS.update({m: [{"half": False}, {"half": True}, {"half": True, "asm": 2}, {"half": True, "asm": 0}]
-                      for m in ("int8", "fp8")})
-TUNE_VARIANTS["droppers"] = [{}]
+# (fused: the splits merged by the decode kernel itself, LaunchConfig.fused, not yet timed)
+TUNE_VARIANTS = {m: [{"half": False}, {"half": True}, {"half": True, "fused": True}, {"half": True, "asm": 0}]
+                 for m in ("kivi4", "kivi2")}
+TUNE_VARIANTS.update({m: [{"half": False}, {"half": True}, {"half": True, "fused": True}, {"half": True, "asm": 2},
+                          {"half": True, "asm": 0}] for m in ("int8", "fp8")})
+TUNE_VARIANTS["droppers"] = [{}, {"fused": True}]
 EXTRAS = 16  # provisional tokens seen (draft step 16 of 32)
 RATIO = 4.0
 
@@ -80,7 +83,8 @@ def _rand(shape, dtype, device, gen):
 def synth_entry(method: str, batch: int, context: int, kv_heads: int, head_dim: int, device, gen) -> PackedKV:
     """`batch` entries of `context` tokens, end to end, in the compressor's layout."""
     bf16, f16 = torch.bfloat16, torch.float16
-    comp = get_compressor("snapkv" if method == "droppers" else method, RATIO, **METHODS[method])
+    name = {"droppers": "snapkv", "quest_query": "quest"}.get(method, method)
+    comp = get_compressor(name, RATIO, **METHODS[method])
     lens_of = lambda n: [n] * batch  # noqa: E731
     starts = lambda n: [i * n for i in range(batch)]  # noqa: E731
     h, d = kv_heads, head_dim
@@ -110,22 +114,25 @@ def synth_entry(method: str, batch: int, context: int, kv_heads: int, head_dim: 
         kept = comp.budget(context)
         kv = lambda: _rand((batch * kept, h, d), bf16, device, gen)  # noqa: E731
         return PackedKV(FMT_DENSE, h, d, bf16, kv(), kv(), starts(kept), lens_of(kept))
-    assert method == "quest", method
+    assert method.startswith("quest"), method
     pages = comp.num_pages(context)
     kv = lambda: _rand((batch * context, h, d), bf16, device, gen)  # noqa: E731
     low = _rand((batch * pages, h, d), bf16, device, gen)
     return PackedKV(FMT_DENSE, h, d, bf16, kv(), kv(), starts(context), lens_of(context),
                     page_min=low, page_max=(low.float() + 1).to(bf16), page_start=starts(pages),
-                    pages_read=[comp.pages_read(context)] * batch, page_size=comp.options["page_size"])
+                    pages_read=[comp.pages_read(context)] * batch, page_size=comp.options["page_size"],
+                    page_per_kv_head=comp.options["heads"] == "kv")
 
 
-def read_bytes(packed: PackedKV, context: int, batch: int) -> int:
-    """Bytes one call reads (extras, queries and output are < 0.1% and left out)."""
+def read_bytes(packed: PackedKV, context: int, batch: int, num_q_heads: int) -> int:
+    """Bytes one call reads (extras, queries and output are < 0.1% and left out). Quest
+    chosen per query head reads a KV head's pages once per query head of its group."""
     if not packed.page_size:
         return packed.nbytes()
+    readers = 1 if packed.page_per_kv_head else num_q_heads // packed.num_kv_heads
     per_token = 2 * packed.num_kv_heads * packed.head_dim * 2
     tokens = min(context, packed.pages_read[0] * packed.page_size)
-    return batch * tokens * per_token + (packed.page_min.nbytes + packed.page_max.nbytes)
+    return batch * tokens * per_token * readers + (packed.page_min.nbytes + packed.page_max.nbytes)
 
 
 def full_bytes(context: int, batch: int, kv_heads: int, head_dim: int) -> int:
@@ -196,8 +203,15 @@ def bench_combo(shape_name, context, batch, timer, configs, device, gen) -> list
     for method in METHODS:
         def draft(method=method):
             packed = synth_entry(method, batch, context, hkv, d, device, gen)
-            return _draft_call(packed, q, ke, ve, configs[method]), read_bytes(packed, context, batch)
+            return _draft_call(packed, q, ke, ve, configs[method]), read_bytes(packed, context, batch, hq)
         rows.append(_measure(base, "draft", method, draft, timer))
+
+    def quest_choice():  # what Quest's page choice alone costs: the bounds kernel and the sort
+        packed = synth_entry("quest", batch, context, hkv, d, device, gen)
+        rows_ = packed.rows()
+        return (lambda: ops.select_pages(ops.page_scores(packed, q, rows_), packed.pages_read[0]),
+                packed.page_min.nbytes + packed.page_max.nbytes)
+    rows.append(_measure(base, "part", "quest_choice", quest_choice, timer))
     pool_k, pool_v = (_rand((batch * context, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
     table = torch.arange(batch * context, dtype=torch.int32, device=device)  # SGLang's slots, allocated in order
     pool = paged_pool(pool_k, pool_v, table, [context] * batch)
@@ -277,7 +291,7 @@ def tune(timer, device, gen, context, batch, shape_name, deadline, configs=None)
 def _launch(cfg: ops.LaunchConfig) -> dict:  # unset sizes are ops.MEASURED_LAUNCH's for the method
     return {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "fold": cfg.fold,
             "unpack": cfg.unpack, "waves": cfg.waves, "half": cfg.half,
-            "asm": cfg.asm}
+            "asm": cfg.asm, "fused": cfg.fused}
 
 
 # ---------------------------------------------------------------- the layer loader

@@ -1,14 +1,18 @@
-"""Compile the draft decode kernel for a GPU on a machine without one, and count its loop.
+"""Compile the draft kernels for a GPU on a machine without one, and count their loops.
 
     .venv/bin/python benchmark/sass_offline.py                       # every variant, sm_90
     .venv/bin/python benchmark/sass_offline.py --only int8_half --dump /tmp/sass
+    .venv/bin/python benchmark/sass_offline.py --only quest_kv quest_query page_scores_kv
 
 Triton's NVIDIA backend and the ptxas / cuobjdump it ships run on any x86 machine, so the
 compiled code of each launch variant (format x half products x inline PTX, at the launch
 sizes ops.MEASURED_LAUNCH uses) can be read here: per variant, the instructions of the main
 loop (the first backward branch's body: the compressed segment), by opcode. The counts are
 from the venv's Triton, not necessarily the GPU machine's (3.6): a guide to what an edit
-changes, checked against ``benchmark/profile_kernels.py`` on a lent GPU.
+changes, checked against ``benchmark/profile_kernels.py`` on a lent GPU. Quest's kernels
+(``quest_*``, ``page_scores_*``) are compiled the same way; a variant that fails to compile
+is reported and the exit status is 1 (test_kernels.py runs the drafter's default ones, so a
+kernel the interpreter accepts but the compiler refuses fails CI, not a GPU session).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from sgl_vericache.kernels import triton_decode as td  # noqa: E402
+from sgl_vericache.kernels import triton_quest as tq  # noqa: E402
 from sgl_vericache.kernels.packing import FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI  # noqa: E402
 
 # name -> (FMT, BITS, HALF, ASM, BN, warps, stages); ASM as LaunchConfig.asm. Each quantizer
@@ -40,8 +45,7 @@ for _name, _fmt, _bits, _warps in (("int8", FMT_INT8, 8, 2), ("fp8", FMT_FP8, 8,
     for _suffix, _half, _asm in (("", False, 0), ("_half", True, 0), ("_half_asm", True, 1), ("_half_words", True, 2)):
         if _fmt != FMT_KIVI or _asm < 2:  # KIVI reads bytes: words are int8 / fp8 only
             VARIANTS[_name + _suffix] = (_fmt, _bits, _half, _asm, 32, _warps, 3)
-PTRS = ["q_ptr", "meta_ptr", "k_ptr", "v_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr", "kr_ptr", "vr_ptr",
-        "ke_ptr", "ve_ptr", "idx_ptr", "m_ptr", "l_ptr", "acc_ptr"]
+
 
 
 def signature(fmt: int) -> dict:
@@ -49,27 +53,75 @@ def signature(fmt: int) -> dict:
     types = {"q_ptr": "*bf16", "meta_ptr": "*i32", "k_ptr": codes, "v_ptr": codes,
              "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16",
              "kr_ptr": "*bf16", "vr_ptr": "*bf16", "ke_ptr": "*bf16", "ve_ptr": "*bf16", "idx_ptr": "*i32",
-             "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-             "qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32", "NUM_SPLITS": "i32"}
+             "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+             "tick_ptr": "*i32", "qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32", "NUM_SPLITS": "i32"}
     if fmt == FMT_INT8:
         types["ks_ptr"] = types["vs_ptr"] = "*fp16"
     return types
 
 
-def compile_variant(name: str, group: int = 4, head_dim: int = 128, arch: int = 90):
+# Quest's kernels at ops.MEASURED_LAUNCH (per KV head: the dense kernel's sizes), Llama-3-8B's
+# group of 4, d=128, 16-token pages: name -> (kernel, extra int args, constexprs, BN, warps, stages)
+_QUEST_ARGS = {"q_ptr": "*bf16", "meta_ptr": "*i32", "k_ptr": "*bf16", "v_ptr": "*bf16", "sel_ptr": "*i32",
+               "ke_ptr": "*bf16", "ve_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+               "qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32", "K_SEL": "i32"}
+_SCORE_ARGS = {"q_ptr": "*bf16", "meta_ptr": "*i32", "pmin_ptr": "*bf16", "pmax_ptr": "*bf16", "out_ptr": "*fp32",
+               "H": "i32", "HQ": "i32", "HC": "i32", "P_MAX": "i32", "PAGE_SIZE": "i32"}
+_FUSED_ARGS = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "tick_ptr": "*i32"}
+
+
+def _quest_kv_args() -> dict:
+    """_QUEST_ARGS with the fused merge's outputs after the partials, in the kernel's order."""
+    names = list(_QUEST_ARGS)
+    at = names.index("acc_ptr") + 1
+    return {**{n: _QUEST_ARGS[n] for n in names[:at]}, **_FUSED_ARGS, **{n: _QUEST_ARGS[n] for n in names[at:]},
+            "NUM_SPLITS": "i32"}
+
+
+_QUEST_KV = dict(GROUP=4, GP=16, D=128, BN=32, PAGE=16, ROUND=2, DOT=2, FUSED=False, HAS_LSE=False)
+QUEST_VARIANTS = {
+    "quest_kv": (tq._quest_group_kernel, _quest_kv_args(), _QUEST_KV, 32, 4, 2),
+    "quest_kv_fused": (tq._quest_group_kernel, _quest_kv_args(), {**_QUEST_KV, "FUSED": True},
+                       32, 4, 2),
+    "quest_query": (tq._quest_split_kernel, {**_QUEST_ARGS, "PAGE_SIZE": "i32", "NUM_SPLITS": "i32"},
+                    dict(GROUP=4, D=128, BN=64, ROUND=2), 64, 4, 2),
+    "page_scores_kv": (tq._page_scores_kernel, _SCORE_ARGS, dict(GROUP=4, PER_KV=True, D=128, BP=64), 0, 4, 2),
+    "page_scores_query": (tq._page_scores_kernel, _SCORE_ARGS, dict(GROUP=4, PER_KV=False, D=128, BP=64), 0, 4, 2),
+}
+# what test_kernels.py compiles: each format's default launch on a GPU (half products, inline PTX)
+# (and the fused split merge, LaunchConfig.fused, on the dense kernel)
+DEFAULTS = ["dense", "dense_fused", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm",
+            *QUEST_VARIANTS]
+
+
+def compile_kernel(fn, types: dict, constexprs: dict, warps: int, stages: int, arch: int = 90):
+    """``fn`` compiled for sm_<arch> as a launch would specialize it: constexprs bound and
+    every pointer 16-byte aligned."""
+    sig = {**types, **{k: "constexpr" for k in constexprs}}
+    names = fn.arg_names
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in types if p.endswith("_ptr")}
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps,
+                                                                          "num_stages": stages})
+
+
+def compile_any(name: str, arch: int = 90):
+    """(compiled kernel, warps, key tokens a main-loop iteration reads; 0: no such loop)."""
+    if name in QUEST_VARIANTS:
+        fn, types, constexprs, bn, warps, stages = QUEST_VARIANTS[name]
+        return compile_kernel(fn, types, constexprs, warps, stages, arch), warps, bn
+    base = name.removesuffix("_fused")
+    _, _, _, _, bn, warps, _ = VARIANTS[base]
+    return compile_variant(base, arch=arch, fused=name != base), warps, bn
+
+
+def compile_variant(name: str, group: int = 4, head_dim: int = 128, arch: int = 90, fused: bool = False):
     fmt, bits, half, asm, bn, warps, stages = VARIANTS[name]
     constexprs = dict(GROUP=group, GP=16, D=head_dim, BN=bn, FMT=fmt, BITS=bits, QGROUP=32, CGROUP=32,
                       KMODE=1 if bn <= 32 else 2, HEAD_SCALE=False, INDEXED=False, ROUND=2, DOT=2,
                       FOLD=fmt in (FMT_INT8, FMT_FP8), UNPACK=0, HALF=half, Q_BF16=True, ASM=asm,
-                      MROUND=1 if half else 2, MDOT=1 if half else 2)
-    sig = signature(fmt)
-    sig.update({k: "constexpr" for k in constexprs})
-    # what a real launch specializes on: 16-byte aligned pointers
-    names = td._decode_split_kernel.arg_names
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in PTRS}
-    src = ASTSource(td._decode_split_kernel, sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps,
-                                                                          "num_stages": stages})
+                      MROUND=1 if half else 2, MDOT=1 if half else 2, FUSED=fused, HAS_LSE=False)
+    return compile_kernel(td._decode_split_kernel, signature(fmt), constexprs, warps, stages, arch)
 
 
 def sass_of(kernel) -> tuple[str, int]:
@@ -115,17 +167,20 @@ def loops(sass: str) -> list[collections.Counter]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
+    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *QUEST_VARIANTS]
+    ap.add_argument("--only", nargs="*", choices=every, default=every)
+    ap.add_argument("--defaults", action="store_true", help="only each kernel's default launch on a GPU")
     ap.add_argument("--arch", type=int, default=90, help="SM version (90: H100 / H200)")
     ap.add_argument("--dump", type=Path, help="write each variant's SASS and PTX here")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="vc_sass_"))
-    for name in args.only:
-        fmt, bits, half, asm, bn, warps, stages = VARIANTS[name]
+    failed = 0
+    for name in DEFAULTS if args.defaults else args.only:
         try:
-            kernel = compile_variant(name, arch=args.arch)
+            kernel, warps, bn = compile_any(name, arch=args.arch)
         except Exception as exc:  # noqa: BLE001 - report and go on
-            print(f"{name}: compile failed: {type(exc).__name__}: {str(exc)[-1500:]}")
+            print(f"{name}: compile failed: {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
+            failed += 1
             continue
         sass, regs = sass_of(kernel)
         if args.dump:
@@ -133,10 +188,12 @@ def main() -> None:
             (args.dump / f"{name}.sass").write_text(sass)
             (args.dump / f"{name}.ptx").write_text(kernel.asm["ptx"])
         main_loop = loops(sass)[0] if loops(sass) else collections.Counter()
-        per_elem = sum(main_loop.values()) * warps * 32 / (2 * bn * 128)  # thread-instructions per K/V element
+        # thread-instructions per K/V element (d=128) of the main loop
+        per_elem = f"({sum(main_loop.values()) * warps * 32 / (2 * bn * 128):.2f} per element)" if bn else ""
         top = ", ".join(f"{k} {v}" for k, v in main_loop.most_common(10))
-        print(f"{name:15s} regs {regs:3d} main loop {sum(main_loop.values()):5d} instr "
-              f"({per_elem:.2f} per element): {top}", flush=True)
+        print(f"{name:17s} regs {regs:3d} main loop {sum(main_loop.values()):5d} instr {per_elem}: {top}", flush=True)
+    if failed:
+        raise SystemExit(f"{failed} variant(s) failed to compile")
 
 
 if __name__ == "__main__":

@@ -116,7 +116,19 @@ def check_method(method: str, options: dict, shape: Shape, config: ops.LaunchCon
     out = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config)
     ref = torch.cat([comp.attend(layers[r], q[r : r + 1], scale, k_ext[r, : ext_base[r] + 1],
                                  v_ext[r, : ext_base[r] + 1]) for r in range(rows_n)])
+    if config.fused:  # the merging programs reset their tickets: a second launch merges the same way
+        _check_tickets_reset()
+        again = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config)
+        assert torch.equal(again, out), f"{method}: a second fused launch differs from the first"
+        _check_tickets_reset()
     return _close(out, ref, q_dtype, f"{method} {options} {shape}")
+
+
+def _check_tickets_reset() -> None:
+    left = {key: int(t.count_nonzero()) for key, t in ops._TICKETS.items()}
+    for t in ops._TICKETS.values():
+        t.zero_()  # so one failure does not fail the cases after it
+    assert not any(left.values()), f"fused merge left tickets set: {left}"
 
 
 def check_tokens(method: str, options: dict, shape: Shape, device, steps: int = 5) -> float:
@@ -134,23 +146,26 @@ def check_tokens(method: str, options: dict, shape: Shape, device, steps: int = 
     return _close(out, ref, shape.dtype, f"{method} teacher-forced")
 
 
-def check_quest_selection(shape: Shape, device, page_size: int = 8) -> float:
-    """Quest's page bounds and choice equal the torch path's; then attention over them."""
-    comp, layers = _entries("quest", {"page_size": page_size}, shape, device)
+def check_quest_selection(shape: Shape, device, page_size: int = 8, heads: str = "kv") -> float:
+    """Quest's page scores (per KV head: the group's largest bound) and choice equal the
+    torch path's."""
+    comp, layers = _entries("quest", {"page_size": page_size, "heads": heads}, shape, device)
     hq, d = shape.kv_heads * shape.group, shape.head_dim
+    per_kv = heads == "kv"
     q = torch.randn(len(layers), hq, d, generator=_gen(11)).to(shape.dtype).to(device)
     packed = pack(comp, layers)
     rows = packed.rows()
     scores = ops.page_scores(packed, q, rows)
     err = 0.0
     for r, layer in enumerate(layers):
-        ref = comp.page_scores(layer, q[r : r + 1])[0]  # [H_q, P]
+        ref = comp.choice_scores(layer, q[r : r + 1])[0]  # [H_c, P]
         err = max(err, _close(scores[r, :, : ref.shape[1]], ref, torch.float32, f"quest bounds row {r}"))
         assert bool(torch.isinf(scores[r, :, ref.shape[1]:]).all()), "pages past a row's entry must score -inf"
         chosen = ops.select_pages(scores[r : r + 1], comp.pages_read(layer.num_tokens))[0].long()
         tokens = torch.zeros(hq, layer.num_tokens, dtype=torch.bool, device=device)
+        assert chosen.shape[0] == (shape.kv_heads if per_kv else hq), chosen.shape
         for h in range(hq):
-            for page in chosen[h].tolist():
+            for page in chosen[h // shape.group if per_kv else h].tolist():
                 tokens[h, page * page_size : (page + 1) * page_size] = True
         want = comp.selected_tokens(layer, q[r : r + 1])[:, 0]
         assert torch.equal(tokens, want), f"quest row {r}: chosen pages differ from the torch path"
@@ -175,15 +190,16 @@ def check_paged_pool(shape: Shape, device) -> float:
     return _close(out, torch.cat(refs), shape.dtype, "paged full-KV pool")
 
 
-def check_empty_and_lse(device) -> float:
+def check_empty_and_lse(device, config: ops.LaunchConfig = None) -> float:
     """A row with no keys at all returns zeros (as causal_attention does); the log-sum-exp
     output (for merging with another kernel's state) equals torch's."""
+    config = config or SMALL
     shape = Shape((0, 21), kv_heads=1, group=2)
     comp, layers = _entries("int8", {}, shape, device)
     layers[0] = None  # a request with no verified KV yet
     q = torch.randn(2, 2, 64, generator=_gen(12)).to(device)
     packed = pack(comp, layers)
-    out, lse = ops.decode_attention(packed, q, 0.125, packed.rows(), config=SMALL, return_lse=True)
+    out, lse = ops.decode_attention(packed, q, 0.125, packed.rows(), config=config, return_lse=True)
     assert bool((out[0] == 0).all()) and bool(torch.isinf(lse[0]).all()), "an empty row must give zeros, lse -inf"
     k, v, _ = comp.materialize(layers[1])
     logits = torch.einsum("hd,nhd->hn", q[1].float(), k.float().repeat_interleave(2, 1)) * 0.125
@@ -256,6 +272,8 @@ def _label(method, options, shape: Shape, splits) -> str:
              f"{f' q*{shape.q_gain:g}' if shape.q_gain != 1 else ''} splits={splits}")
     if method.startswith("kivi"):
         label += f" G={options['group_size']} R={options['residual_length']}"
+    if method == "quest":
+        label += f" heads={options.get('heads', 'kv')}"
     return label
 
 
@@ -319,6 +337,15 @@ def _launch_variants() -> list[Case]:
         ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
         ("fp8", {"scale": "head"}, Shape((29, 66, 3), dtype=b16, q_gain=3e5), 2),
     )]
+    # the splits merged by the decode kernel itself (LaunchConfig.fused): dense, quantized and
+    # Quest rows, one split and several, GQA 1 / 3 / 8; each launched twice (tickets reset)
+    cases += [_method_case(*row, fused=True) for row in (
+        ("snapkv", {"window_size": 4, "min_budget": 8}, Shape((90, 41, 7), group=8, kv_heads=1), 4),
+        ("streamingllm", {"min_budget": 8}, Shape((40, 9), group=1, dtype=b16), 1),
+        ("int8", {}, Shape((50, 17), dtype=b16), 2),
+        ("kivi4", KIVI, Shape((37, 70, 5)), 2),
+        ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
+    )]
     half_kivi = [
         ("kivi2", {"group_size": 32, "residual_length": 16}, Shape((100, 49), head_dim=128, dtype=b16), 1),
         ("kivi4", KIVI, Shape((37, 70, 5), dtype=f16), 2),
@@ -359,6 +386,7 @@ def _curated() -> list[Case]:
         ("h2o", {"min_budget": 8}, Shape((77, 30), dtype=b16), 2),
         ("full", {}, Shape((19, 40), group=1, head_dim=128), 2),
         ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
+        ("quest", {"page_size": 8, "heads": "query"}, Shape((83, 30, 9)), 2),
         ("quest", {"page_size": 16, "min_budget": 16}, Shape((70, 130), group=8, kv_heads=1, dtype=b16), 1),
     ]
     return [_method_case(*row) for row in grid]
@@ -378,7 +406,7 @@ def _sweep() -> list[Case]:
             shape = Shape(lengths, kv_heads=1 if group == 8 else 2, group=group, head_dim=(64, 128)[(i + j) % 2],
                           dtype=dtypes[j])
             options = {"kivi4": {"group_size": (8, 16, 32)[j], "residual_length": (0, 8, 32)[(i + j) % 3]},
-                       "fp8": {"scale": ("head", "token")[j % 2]}, "quest": {"page_size": (8, 16)[j % 2]},
+                       "fp8": {"scale": ("head", "token")[j % 2]}, "quest": {"page_size": (8, 16)[j % 2], "heads": ("kv", "query")[j % 2]},
                        "snapkv": {"window_size": 4, "min_budget": 8}}.get(method, {})
             if method == "kivi2":
                 options = {"group_size": (32, 8, 16)[j], "residual_length": (8, 0, 16)[j]}
@@ -393,11 +421,14 @@ def all_cases() -> list[Case]:
     cases += [Case(f"{m} teacher-forced rows", lambda dev, m=m, o=o: check_tokens(m, o, Shape((50,)), dev),
                    family="layouts", tags=(m, "tokens"))
               for m, o in (("kivi4", KIVI), ("snapkv", {"window_size": 4, "min_budget": 8}))]
-    cases.append(Case("quest page bounds and choice", lambda dev: check_quest_selection(Shape((83, 30)), dev),
-                      family="layouts", tags=("quest",)))
+    for heads in ("kv", "query"):
+        cases.append(Case(f"quest page scores and choice, heads={heads}", lambda dev, h=heads: check_quest_selection(
+            Shape((83, 30)), dev, heads=h), family="layouts", tags=("quest",)))
     cases.append(Case("paged full-KV pool", lambda dev: check_paged_pool(Shape((45, 70, 3)), dev), family="layouts",
                       tags=("full",)))
     cases.append(Case("empty row and lse", check_empty_and_lse, family="layouts", tags=("int8",)))
+    cases.append(Case("empty row and lse, fused merge", lambda dev: check_empty_and_lse(
+        dev, ops.LaunchConfig(block_n=16, num_splits=2, fused=True)), family="layouts", tags=("int8", "fused")))
     for methods in (("kivi4", "streamingllm", "full"), ("quest", "h2o", "int8"), ("fp8", "kivi2", "snapkv"),
                     ("kivi4",)):
         cases.append(Case(f"store rounds {'+'.join(methods)}", lambda dev, m=methods: check_store_rounds(m, dev),
@@ -406,10 +437,15 @@ def all_cases() -> list[Case]:
         ("kivi4", "snapkv"), dev, torch.bfloat16), family="store", tags=("kivi4", "snapkv")))
     big = Shape((4000, 1500, 777), kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16)
     for method, options in (("kivi4", {}), ("kivi2", {}), ("int8", {}), ("fp8", {}), ("snapkv", {}),
-                            ("quest", {})):
-        cases.append(Case(f"{method} default launch sizes T={list(big.lengths)}", lambda dev, a=(method, options):
+                            ("quest", {}), ("quest", {"heads": "query"})):
+        name = method + "".join(f" {k}={v}" for k, v in options.items())
+        cases.append(Case(f"{name} default launch sizes T={list(big.lengths)}", lambda dev, a=(method, options):
                           check_method(*a, big, ops.LaunchConfig(), dev), family="large", interpret=False,
                           tags=(method,)))
+        if method in ("snapkv", "int8", "quest") and not options:  # the fused merge at the default sizes, compiled
+            cases.append(Case(f"{name} default launch sizes fused T={list(big.lengths)}", lambda dev, m=method:
+                              check_method(m, {}, big, ops.LaunchConfig(fused=True), dev), family="large",
+                              interpret=False, tags=(method, "fused")))
         if method in QUANTIZERS:  # both settings of half products at the default sizes
             cases.append(Case(f"{method} default launch sizes half T={list(big.lengths)}",
                               lambda dev, m=method: check_method(m, {}, big, ops.LaunchConfig(half=True), dev),

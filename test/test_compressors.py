@@ -473,6 +473,31 @@ def test_quest_reads_the_best_page():
     assert torch.allclose(dense.attend(dense.compress(k, v), q, 0.3, k_extra, v_extra), full, atol=1e-6)
 
 
+def test_quest_chooses_per_kv_head_unless_asked_per_query_head():
+    """Two query heads of one KV head want different pages (a strong spike in page 2 along
+    axis 0, a weaker one in page 5 along axis 1): heads="kv" reads the page with the larger
+    bound for both, heads="query" gives each head its own; one query head a KV
+    head makes them the same."""
+    k, v = _spiky_keys(128, [(37, 0, 3.0)])  # 8 pages of 16
+    k[90, 0, 1] = 2.0
+    q = torch.zeros(1, 2, 8)
+    q[0, 0, 0] = q[0, 1, 1] = 4.0
+    page = lambda n: torch.arange(128) // 16 == n  # noqa: E731
+    by_kv = get_compressor("quest", 8, min_budget=0)  # one page per step
+    by_query = get_compressor("quest", 8, min_budget=0, heads="query")
+    layer = by_kv.compress(k, v)
+    chosen = by_kv.selected_tokens(layer, q)[:, 0]  # [H_q, T]
+    assert torch.equal(chosen[0], page(2)) and torch.equal(chosen[1], page(2))
+    chosen = by_query.selected_tokens(layer, q)[:, 0]
+    assert torch.equal(chosen[0], page(2)) and torch.equal(chosen[1], page(5))
+    largest = by_query.page_scores(layer, q).amax(1)  # [S, P]: what heads="kv" ranks by
+    assert torch.equal(by_kv.choice_scores(layer, q)[:, 0], largest)
+    one = q[:, :1]  # MHA: the two choices agree
+    assert torch.equal(by_kv.selected_tokens(layer, one), by_query.selected_tokens(layer, one))
+    with pytest.raises(ValueError, match="heads='group'.*'kv', 'query'"):
+        get_compressor("quest", 4, heads="group")
+
+
 # ---------------------------------------------------------------- append consistency
 
 

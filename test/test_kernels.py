@@ -148,13 +148,39 @@ def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
     result = json.loads(out.read_text())
     rows = {(r["context"], r["method"]): r for r in result["rows"]}
     assert not [r for r in result["rows"] if "error" in r]
-    assert {m for _, m in rows} == {"kivi4", "kivi2", "int8", "fp8", "droppers", "quest", "triton_paged"}
+    assert {m for _, m in rows} == {"kivi4", "kivi2", "int8", "fp8", "droppers", "quest", "quest_query", "quest_choice",
+                                    "triton_paged"}
     big = {m: r for (c, m), r in rows.items() if c == 256}
     assert big["droppers"]["read_ratio"] == pytest.approx(4.0)
+    # Quest at 4x: a quarter of the pages once per KV head, plus min / max of every 16-token page;
+    # chosen per query head, the quarter is read once per query head (8 of them at 70B / TP8)
+    assert big["quest"]["read_ratio"] == pytest.approx(1 / (1 / 4 + 1 / 16))
+    assert big["quest_query"]["read_ratio"] == pytest.approx(1 / (8 / 4 + 1 / 16))
+    assert big["quest_choice"]["read_ratio"] == pytest.approx(16.0)
     assert big["int8"]["read_ratio"] == pytest.approx(2 * 128 / (128 + 2))  # codes + an fp16 scale a token
     assert 1 < big["kivi4"]["read_ratio"] < big["kivi2"]["read_ratio"]  # window of 128 exact tokens at 256
     assert big["triton_paged"]["read_ratio"] < 1 and big["triton_paged"]["speedup_vs_full"] == 1.0
     assert result["targets"]["quantizers_at_70pct"] is None  # nothing at 32k x 8 measured
+
+
+def test_default_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter accepts code the compiler refuses (and the other way round), so every
+    kernel the drafter launches by default on a GPU is compiled for an H100 / H200 here, by
+    the Triton and ptxas the venv ships (benchmark/sass_offline.py --defaults, ~12 s)."""
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bundled / "ptxas").exists() or not (bundled / "cuobjdump").exists():
+        pytest.skip(f"this Triton ships no ptxas / cuobjdump under {bundled}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile from scratch, as a fresh GPU machine would
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "sass_offline.py"), "--defaults"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "compile failed" not in out, out[-6000:]
+    compiled = {line.split()[0] for line in proc.stdout.splitlines() if " regs " in line}
+    assert compiled == {"dense", "dense_fused", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm",
+                        "quest_kv", "quest_kv_fused", "quest_query", "page_scores_kv", "page_scores_query"}, out[-3000:]
 
 
 def test_kivi_half_precision_blocks_are_raised_on_cuda_only():

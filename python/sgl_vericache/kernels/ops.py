@@ -63,6 +63,11 @@ class LaunchConfig:
     # instructions with the venv's Triton, but 8% slower than 1 on the H200's Triton 3.6;
     # KIVI: as 1); 0 the Triton code the interpreter runs (5-12% slower than 1 on the H200)
     asm: int = 1
+    # merge the splits in the decode kernel: the program that finishes a (row, KV head)'s last
+    # split merges them (an atomic ticket per (row, KV head)), instead of a second kernel.
+    # For small launches, where the merge's launch is a fixed cost (Llama-70B/TP8's dropper
+    # rows); not yet timed on a GPU, so off unless asked (bench_kernels searches it)
+    fused: bool = False
 
 
 # (block_n, num_warps, num_stages) per format, the fastest bench_kernels.py found on an H200
@@ -197,6 +202,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
     splits = _pow2(splits)
     rnd, dot = dot_modes(q.dtype, packed.dtype)
     m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
+    out, lse, tickets = _outputs(config, num_rows, packed.num_kv_heads, q, return_lse)
     k = packed.k
     half = halves(config, packed, q.dtype)
     block_n = kivi_block_n(config, packed, 1 if half else dot, q.device)
@@ -205,7 +211,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         q, rows.meta, k, packed.v,
         _or(packed.k_scale, k), _or(packed.k_zero, k), _or(packed.v_scale, k), _or(packed.v_zero, k),
         _or(packed.k_recent, ke), _or(packed.v_recent, ve), ke, ve, _or(packed.indices, rows.meta),
-        m, l, acc,
+        m, l, acc, _or(out, m), _or(lse, m), _or(tickets, rows.meta),
         scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, splits,
         GROUP=group, GP=max(16, _pow2(group)), D=head_dim, BN=block_n,
         FMT=packed.fmt, BITS=packed.bits, QGROUP=packed.token_group, CGROUP=packed.channel_group,
@@ -214,28 +220,31 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         FOLD=folds(config, packed, q.dtype) or (half and packed.fmt != FMT_KIVI), UNPACK=config.unpack, HALF=half,
         MROUND=1 if half else rnd, MDOT=1 if half else dot, Q_BF16=q.dtype == torch.bfloat16,
         ASM=config.asm if half and q.device.type == "cuda" and not interpreting() else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FUSED=config.fused, HAS_LSE=return_lse, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if config.fused:
+        return (out, lse) if return_lse else out
     return _combine(m, l, acc, q.dtype, return_lse)
 
 
 def page_scores(packed: PackedKV, q: torch.Tensor, rows: RowTable) -> torch.Tensor:
-    """Quest's upper bound of q.k per page: [R, H_q, P] fp32 (P: the most pages of any
-    row's entry), -inf past a row's pages."""
+    """What Quest ranks pages by: [R, H_c, P] fp32 (P: the most pages of any row's entry),
+    -inf past a row's pages. H_c = H_kv, the largest of the group's bounds
+    (``page_per_kv_head``), else H_q, each query head's upper bound of q.k."""
     group = _check(packed, q, rows)
     num_rows, num_q_heads, head_dim = q.shape
+    heads = packed.num_kv_heads if packed.page_per_kv_head else num_q_heads
     row_pages = max((-(-packed.main_len[e] // packed.page_size) for e in rows.entries), default=1)
-    out = torch.full((num_rows, num_q_heads, max(row_pages, 1)), float("-inf"), dtype=torch.float32,
-                     device=q.device)
-    grid = (num_rows, num_q_heads, -(-max(row_pages, 1) // PAGE_SCORE_BLOCK))
+    out = torch.full((num_rows, heads, max(row_pages, 1)), float("-inf"), dtype=torch.float32, device=q.device)
+    grid = (num_rows, heads, -(-max(row_pages, 1) // PAGE_SCORE_BLOCK))
     tq._page_scores_kernel[grid](q.contiguous(), rows.meta, packed.page_min, packed.page_max, out,
-                                 packed.num_kv_heads, num_q_heads, out.shape[2], packed.page_size,
-                                 GROUP=group, D=head_dim, BP=PAGE_SCORE_BLOCK)
+                                 packed.num_kv_heads, num_q_heads, heads, out.shape[2], packed.page_size,
+                                 GROUP=group, PER_KV=packed.page_per_kv_head, D=head_dim, BP=PAGE_SCORE_BLOCK)
     return out
 
 
 def select_pages(scores: torch.Tensor, pages_read: int) -> torch.Tensor:
-    """[R, H_q, pages_read] int32: the best pages first; ties go to the earlier page, as
+    """[R, H_c, pages_read] int32: the best pages first; ties go to the earlier page, as
     QuestCompressor.selected_tokens breaks them."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     return order[..., : max(pages_read, 1)].to(torch.int32).contiguous()
@@ -244,10 +253,11 @@ def select_pages(scores: torch.Tensor, pages_read: int) -> torch.Tensor:
 def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable,
                  k_extra=None, v_extra=None, ext_add: int = 0, config: LaunchConfig = LaunchConfig(),
                  return_lse: bool = False, selection: Optional[torch.Tensor] = None):
-    """Quest: score every page of each row's entry, keep each head's top pages_read pages,
-    attend over those pages (+ extras). ``selection`` [R, H_q, K] skips the scoring."""
+    """Quest: score every page of each row's entry, keep each choosing head's top pages_read
+    pages, attend over those pages (+ extras). ``selection`` [R, H_c, K] skips the scoring."""
     group = _check(packed, q, rows)
-    config = launch_for(config, "quest")
+    per_kv = packed.page_per_kv_head
+    config = launch_for(config, FMT_DENSE if per_kv else "quest")
     q = q.contiguous()
     num_rows, num_q_heads, head_dim = q.shape
     if selection is None:
@@ -255,22 +265,54 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
         selection = select_pages(scores, max((packed.pages_read[e] for e in rows.entries), default=1))
     ke, ve, e_cap = _extras(k_extra, v_extra, packed, ext_add)
     longest = max((packed.pages_read[e] for e in rows.entries), default=0) * packed.page_size
-    splits = _pow2(config.num_splits or choose_splits(num_rows * num_q_heads, longest, config.block_n, q.device,
+    heads = packed.num_kv_heads if per_kv else num_q_heads
+    splits = _pow2(config.num_splits or choose_splits(num_rows * heads, longest, config.block_n, q.device,
                                                       config.waves))
-    rnd, _ = dot_modes(q.dtype, packed.dtype)
+    rnd, dot = dot_modes(q.dtype, packed.dtype)
     m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
-    tq._quest_split_kernel[(num_rows, num_q_heads, splits)](
-        q, rows.meta, packed.k, packed.v, selection, ke, ve, m, l, acc,
-        scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, selection.shape[2],
-        packed.page_size, splits,
-        GROUP=group, D=head_dim, BN=config.block_n, ROUND=rnd, num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    head = (q, rows.meta, packed.k, packed.v, selection, ke, ve, m, l, acc)
+    tail = (scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, selection.shape[2])
+    if per_kv:
+        out, lse, tickets = _outputs(config, num_rows, heads, q, return_lse)
+        tq._quest_group_kernel[(num_rows, heads, splits)](
+            *head, _or(out, m), _or(lse, m), _or(tickets, rows.meta), *tail, splits, GROUP=group,
+            GP=max(16, _pow2(group)), D=head_dim, BN=config.block_n, PAGE=packed.page_size, ROUND=rnd, DOT=dot,
+            FUSED=config.fused, HAS_LSE=return_lse, num_warps=config.num_warps, num_stages=config.num_stages)
+        if config.fused:
+            return (out, lse) if return_lse else out
+    else:  # one program per query head: merged by the second kernel (config.fused does not apply)
+        tq._quest_split_kernel[(num_rows, heads, splits)](
+            *head, *tail, packed.page_size, splits, GROUP=group, D=head_dim, BN=config.block_n, ROUND=rnd,
+            num_warps=config.num_warps, num_stages=config.num_stages)
     return _combine(m, l, acc, q.dtype, return_lse)
 
 
 def _or(t: Optional[torch.Tensor], fallback: torch.Tensor) -> torch.Tensor:
     return fallback if t is None else t
+
+
+# device -> int32 zeros: the fused merge's tickets, reset by the kernels. One buffer a device:
+# fused launches must not run concurrently on two streams of one device (the drafter's run on one)
+_TICKETS: dict = {}
+
+
+def _outputs(config: LaunchConfig, num_rows: int, num_kv_heads: int, q: torch.Tensor, return_lse: bool):
+    """(out, lse, tickets) a fused launch writes into; (None, None, None) otherwise. The
+    tickets are kept per device (zero between launches: the merging program resets its own),
+    grown outside a CUDA-graph capture only."""
+    if not config.fused:
+        return None, None, None
+    _, num_q_heads, head_dim = q.shape
+    out = torch.empty(num_rows, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_rows, num_q_heads, dtype=torch.float32, device=q.device) if return_lse else None
+    key, need = str(q.device), num_rows * num_kv_heads
+    tickets = _TICKETS.get(key)
+    if tickets is None or tickets.numel() < need:
+        if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fused split merge: {need} tickets needed while a CUDA graph is captured; "
+                               "run the launch once before capturing it")
+        tickets = _TICKETS[key] = torch.zeros(max(need, 4096), dtype=torch.int32, device=q.device)
+    return out, lse, tickets
 
 
 def _partials(num_rows, num_q_heads, splits, head_dim, device):

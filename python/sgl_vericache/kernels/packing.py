@@ -76,6 +76,7 @@ class PackedKV:
     page_start: list[int] = field(default_factory=list)
     pages_read: list[int] = field(default_factory=list)
     page_size: int = 0
+    page_per_kv_head: bool = True  # Quest's heads="kv": one page choice per KV head, not per query head
     indices: Optional[torch.Tensor] = None  # main row t of entry e is pool row indices[main_start[e] + t]
 
     @property
@@ -182,6 +183,7 @@ def _add_pages(packed: PackedKV, compressor: KVCompressor, layers, ref) -> None:
     packed.page_start = _starts(pages)
     packed.pages_read = [0 if l is None else compressor.pages_read(l.num_tokens) for l in layers]
     packed.page_size = compressor.options["page_size"]
+    packed.page_per_kv_head = compressor.options["heads"] == "kv"
 
 
 def _pack_kivi(compressor, layers, ref: KiviLayer) -> PackedKV:

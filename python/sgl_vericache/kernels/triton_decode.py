@@ -12,7 +12,8 @@ compressed tokens. A row's keys are three segments read in order:
 
 The main segment is split across ``num_splits`` programs (flash-decoding); the last split
 also reads the two short segments. Partial softmax states go to a small fp32 buffer and
-``_combine_kernel`` merges them. Dequantized values are rounded to the entry's dtype before
+``_combine_kernel`` merges them, or (FUSED) the program that finishes a (row, KV head)'s
+last split merges them itself (``_finish_rows``), so no second kernel runs. Dequantized values are rounded to the entry's dtype before
 the products, exactly as ``materialize`` does on the torch path, or, with half products
 (HALF), computed and multiplied in fp16 (see ops.LaunchConfig.half); softmax and
 accumulation are fp32 (scores in the log2 domain). Codes become floats without conversion
@@ -248,12 +249,14 @@ def _decode_split_kernel(
     ke_ptr, ve_ptr,  # extras [X, E_cap, H, D]
     idx_ptr,  # INDEXED: main token t of a row lives at pool row idx[main_start + t]
     m_ptr, l_ptr, acc_ptr,  # partials [R, HQ, NUM_SPLITS] (x D for acc)
+    out_ptr, lse_ptr, tick_ptr,  # FUSED: the output [R, HQ, D], its lse [R, HQ], a ticket per (row, KV head)
     qk_scale, H, HQ, E_CAP, EXT_ADD, NUM_SPLITS,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
     FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
     HEAD_SCALE: tl.constexpr, INDEXED: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
     FOLD: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr, Q_BF16: tl.constexpr, ASM: tl.constexpr,
     MROUND: tl.constexpr, MDOT: tl.constexpr,  # the main segment's ROUND / DOT: fp16 (1, 1) with HALF
+    FUSED: tl.constexpr = False, HAS_LSE: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -299,12 +302,45 @@ def _decode_split_kernel(
     ext_row0 = tl.load(meta + 4).to(tl.int64) * E_CAP
     m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, ke_ptr, ve_ptr, ext_row0, ext_len, h, H, qk_scale,
                                    ROUND, DOT, BN, D)
+    _finish_rows(m_i, l_i, acc, q_rows, gi < GROUP, split, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
+                 tick_ptr + r * H + h, NUM_SPLITS, D, FUSED, HAS_LSE)
 
+
+@triton.jit
+def _finish_rows(m_i, l_i, acc, q_rows, keep, split, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, tick_ptr,
+                 NUM_SPLITS, D: tl.constexpr, FUSED: tl.constexpr, HAS_LSE: tl.constexpr):
+    """Store one program's split state for its query rows (``keep`` of them real). FUSED:
+    then take the (row, KV head)'s ticket; the program that takes the last one merges every
+    split of those rows into the output, as _combine_kernel would, and resets the ticket
+    for the next launch. Its loads bypass L1 (.cg): other programs wrote the states."""
+    d = tl.arange(0, D)
     out_rows = q_rows * NUM_SPLITS + split
-    keep = gi < GROUP
     tl.store(m_ptr + out_rows, m_i, mask=keep)
     tl.store(l_ptr + out_rows, l_i, mask=keep)
     tl.store(acc_ptr + (out_rows * D)[:, None] + d[None, :], acc, mask=keep[:, None])
+    if FUSED:
+        tl.debug_barrier()  # every thread's stores come before the ticket (released with it)
+        if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            m_max = tl.full(m_i.shape, float("-inf"), tl.float32)
+            for s in range(0, NUM_SPLITS):
+                m_max = tl.maximum(m_max, tl.load(m_ptr + q_rows * NUM_SPLITS + s, mask=keep, other=float("-inf"),
+                                                  cache_modifier=".cg"))
+            m_max = tl.where(keep, m_max, 0.0)  # padding rows: weights of 1 over zeros, no inf * 0
+            total = tl.zeros(m_i.shape, tl.float32)
+            out = tl.zeros(acc.shape, tl.float32)
+            for s in range(0, NUM_SPLITS):
+                row = q_rows * NUM_SPLITS + s
+                w = tl.exp2(tl.load(m_ptr + row, mask=keep, other=0.0, cache_modifier=".cg") - m_max)
+                total += w * tl.load(l_ptr + row, mask=keep, other=0.0, cache_modifier=".cg")
+                out += w[:, None] * tl.load(acc_ptr + (row * D)[:, None] + d[None, :], mask=keep[:, None],
+                                            other=0.0, cache_modifier=".cg")
+            live = total > 0
+            out = out / tl.where(live, total, 1.0)[:, None]
+            tl.store(out_ptr + (q_rows * D)[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+            if HAS_LSE:
+                lse = tl.where(live, (m_max + tl.log2(tl.where(live, total, 1.0))) / 1.4426950408889634, float("-inf"))
+                tl.store(lse_ptr + q_rows, lse, mask=keep)
+            tl.atomic_xchg(tick_ptr, 0)
 
 
 @triton.jit

@@ -2,10 +2,18 @@
 
 All KV stays; each page of `page_size` tokens also stores the per-channel min and max of
 its keys. At every draft step each query head bounds q.k on every page by
-sum_d max(q_d * min_d, q_d * max_d) and reads only the top pages. The ratio sets the
+sum_d max(q_d * min_d, q_d * max_d) and the top pages are read. The ratio sets the
 pages read per step: min(P, max(ceil(P / ratio), ceil(min_budget / page_size))) of the
 P pages, so Quest saves reads, not memory: nbytes() is the full KV plus the min/max
 metadata (achieved_ratio < 1), read_nbytes() what one step reads (achieved_read_ratio).
+
+Who chooses (option ``heads``): the paper's models are multi-head, one query head a KV head.
+Under GQA, ``kv`` (the default) chooses once per KV head by the largest of its query
+heads' bounds (a page any head of the group may attend to), so each chosen page is read
+once for the whole group; ``query`` chooses per query
+head as the paper does, so a KV head's pages are read once per query head of its group (a
+GPU draft then reads group / ratio of the KV, more than the full KV at group > ratio).
+With one query head a KV head the two are the same.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ class QuestCompressor(KVCompressor):
     option_specs = (
         OptionSpec("page_size", 16, "tokens per page", 1, 1 << 16),
         OptionSpec("min_budget", 16, "tokens always read (rounded up to pages)", 0, 1 << 30),
+        OptionSpec("heads", "kv", "who chooses pages: 'kv' (per KV head, by the largest of its query heads' "
+                   "bounds) or 'query' (per query head, as the paper)", choices=("kv", "query")),
     )
 
     def num_pages(self, num_tokens: int) -> int:
@@ -92,11 +102,21 @@ class QuestCompressor(KVCompressor):
         qf = q.float()[:, :, None, :]  # [S, H_q, 1, D]
         return torch.maximum(qf * low, qf * high).sum(-1)
 
+    def choice_scores(self, layer: QuestLayer, q: torch.Tensor) -> torch.Tensor:
+        """What the choice ranks pages by: [S, H_kv, P] (``heads="kv"``: the largest bound
+        among each KV head's query heads) or [S, H_q, P] (``heads="query"``), fp32."""
+        bounds = self.page_scores(layer, q)
+        if self.options["heads"] == "query":
+            return bounds
+        s, hq, p = bounds.shape
+        return bounds.reshape(s, layer.num_kv_heads, hq // layer.num_kv_heads, p).amax(2)
+
     def selected_tokens(self, layer: QuestLayer, q: torch.Tensor) -> torch.Tensor:
         """[H_q, S, T] bool: the tokens of the pages each query head reads."""
-        scores = self.page_scores(layer, q)  # [S, H_q, P]
+        scores = self.choice_scores(layer, q)  # [S, H_c, P]
         top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : self.pages_read(layer.num_tokens)]
         pages = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
+        pages = pages.repeat_interleave(q.shape[1] // pages.shape[1], dim=1)  # [S, H_q, P]
         token_page = torch.arange(layer.num_tokens, device=q.device) // self.options["page_size"]
         return pages[..., token_page].transpose(0, 1)
 
