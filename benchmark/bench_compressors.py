@@ -18,6 +18,8 @@ tied embeddings); `--check-hf` confirms its greedy tokens equal transformers'.
 
     python benchmark/bench_compressors.py --quick
     python benchmark/bench_compressors.py --out benchmark/results/compressors.json
+    python benchmark/bench_compressors.py --compressors quest@4 quest@4:heads=query quest@1.3333 \
+        --out benchmark/results/quest_heads.json          # chosen ones: name[@ratio][:option=value,...]
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from draft_sim import ChatTokenizer, Llama, Reference, agreement_pass, append_true, prompt_entry, round_pass  # noqa: E402
 from sgl_vericache.mem_cache.compress import get_compressor  # noqa: E402
+from sgl_vericache.mem_cache.compress.registry import parse_options  # noqa: E402
 
 TOOLS = (
     '[{"name": "get_weather", "description": "Weather forecast for a city", "parameters": '
@@ -74,6 +77,7 @@ class BenchConfig:
     out: str = "benchmark/results/compressors.json"
     check_hf: bool = False
     threads: int = 1
+    compressors: tuple[str, ...] = ()  # specs "name[@ratio][:k=v,...]"; empty: every method (build_compressors)
 
 
 # ---------------------------------------------------------------- orchestration
@@ -89,11 +93,28 @@ def build_compressors(ratios, variants: bool) -> list:
     return comps + [get_compressor(n, r) for n in RATIO_METHODS for r in ratios]
 
 
+def parse_spec(spec: str):
+    """"quest@4:heads=query,page_size=32" -> that compressor (options checked by the registry)."""
+    head, _, opts = spec.partition(":")
+    name, _, ratio = head.partition("@")
+    try:
+        value = float(ratio) if ratio else None
+    except ValueError:
+        raise ValueError(f"ratio {ratio!r} is not a number (e.g. quest@4)") from None
+    return get_compressor(name.strip(), value, **parse_options(opts))
+
+
 def label(comp) -> str:
     """e.g. "snapkv@4x", "kivi2(residual_length=32)": name, ratio, non-default options."""
+    changed = series(comp).removeprefix(comp.name)
+    return comp.name + ("" if comp.ratio is None else f"@{comp.ratio:g}x") + changed
+
+
+def series(comp) -> str:
+    """The name and non-default options, e.g. "quest(heads=query)": one line of the plot."""
     defaults = {s.name: s.default for s in comp.option_specs}
     changed = ",".join(f"{k}={v}" for k, v in comp.options.items() if v != defaults[k])
-    return comp.name + ("" if comp.ratio is None else f"@{comp.ratio:g}x") + (f"({changed})" if changed else "")
+    return comp.name + (f"({changed})" if changed else "")
 
 
 def reference_for(model, tokenizer, prompt, gen_len, eos) -> Reference:
@@ -109,9 +130,14 @@ def ratios_of(comp, ref: Reference) -> dict:
     """Achieved ratios of layer 0's entry holding the whole sequence (all layers match)."""
     entry = append_true(comp, prompt_entry(comp, ref, 0), ref, 0, ref.prompt_len, len(ref.ids))
     n, h, d = entry.num_tokens, entry.num_kv_heads, entry.head_dim
+    gpu_read_ratio = comp.achieved_read_ratio(entry)
+    if comp.name == "quest" and comp.options["heads"] == "query":  # GPU: the pages once per query head
+        tokens_read = min(n, comp.pages_read(n) * comp.options["page_size"])
+        gpu_read_ratio = n / (ref.q[0].shape[1] // h * tokens_read + comp.num_pages(n))
     return {
         "achieved_ratio": comp.achieved_ratio(entry),
         "achieved_read_ratio": comp.achieved_read_ratio(entry),
+        "gpu_read_ratio": gpu_read_ratio,
         "achieved_ratio_fp16": comp.full_nbytes(n, h, d, torch.float16) / comp.nbytes_for(n, h, d, torch.float16),
     }
 
@@ -179,6 +205,7 @@ def summarize(prompt_results: list[dict], comps) -> dict:
         rounds = rounds or [r for p in per for r in p["cut_rounds"]]
         table[label(comp)] = {
             "compressor": comp.name,
+            "series": series(comp),
             "requested_ratio": comp.ratio,
             "options": dict(comp.options),
             "agreement": sum(p["agreement"] for p in per) / len(per),
@@ -186,6 +213,7 @@ def summarize(prompt_results: list[dict], comps) -> dict:
             "acc_len_is_lower_bound": lower_bound,
             "achieved_ratio": sum(p["achieved_ratio"] for p in per) / len(per),
             "achieved_read_ratio": sum(p["achieved_read_ratio"] for p in per) / len(per),
+            "gpu_read_ratio": sum(p.get("gpu_read_ratio", p["achieved_read_ratio"]) for p in per) / len(per),
             "achieved_ratio_fp16": sum(p["achieved_ratio_fp16"] for p in per) / len(per),
             "acc_len_histogram": {str(n): rounds.count(n) for n in sorted(set(rounds))},
             "by_category": {
@@ -206,9 +234,9 @@ def _mean(xs):
 
 
 def print_table(table: dict) -> None:
-    print(f"\n{'compressor':<28}{'ratio':>7}{'read':>7}{'fp16':>7}{'agree':>8}{'acc@30':>8}")
+    print(f"\n{'compressor':<28}{'ratio':>7}{'read':>7}{'gpu':>7}{'fp16':>7}{'agree':>8}{'acc@30':>8}")
     for name, r in table.items():
-        print(f"{name:<28}{r['achieved_ratio']:>7.2f}{r['achieved_read_ratio']:>7.2f}"
+        print(f"{name:<28}{r['achieved_ratio']:>7.2f}{r['achieved_read_ratio']:>7.2f}{r['gpu_read_ratio']:>7.2f}"
               f"{r['achieved_ratio_fp16']:>7.2f}{r['agreement']:>8.3f}{r['acc_len']:>8.2f}"
               + (" (>=, only cut rounds)" if r["acc_len_is_lower_bound"] else ""))
 
@@ -223,13 +251,14 @@ def plot(table: dict, path: Path) -> None:
         print("matplotlib not importable: no plot")
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in sorted({r["compressor"] for r in table.values()} - {"full"}):
-        pts = sorted((r["achieved_read_ratio"], r["agreement"], r["acc_len"]) for r in table.values()
-                     if r["compressor"] == name)
+    for name in sorted({r.get("series", r["compressor"]) for r in table.values()} - {"full"}):
+        pts = sorted((r.get("gpu_read_ratio", r["achieved_read_ratio"]), r["agreement"], r["acc_len"])
+                     for r in table.values() if r.get("series", r["compressor"]) == name)
         for ax, i in zip(axes, (1, 2)):
             ax.plot([p[0] for p in pts], [p[i] for p in pts], marker="o", label=name)
     for ax, ylabel in zip(axes, ("per-token agreement", "acceptance length @30")):
-        ax.set_xscale("log", base=2), ax.set_xlabel("achieved ratio (bytes read per step, model dtype)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("achieved ratio (full KV / bytes a GPU draft step reads, model dtype)")
         ax.set_ylabel(ylabel), ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("Draft over compressed KV vs full-KV greedy (SmolLM2-135M, fp32)")
@@ -269,12 +298,20 @@ def parse_args(argv=None) -> BenchConfig:
     p.add_argument("--draft-len", type=int, default=30)
     p.add_argument("--out", default=None, help="JSON path (default benchmark/results/compressors[_quick].json)")
     p.add_argument("--check-hf", action="store_true", help="check our greedy tokens equal transformers'")
+    p.add_argument("--compressors", nargs="+", default=(), metavar="SPEC",
+                   help="only these, each name[@ratio][:option=value,...] (e.g. quest@4:heads=query); "
+                        "the full-KV reference is always computed")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads; 1 is fastest on a shared 2-core box (many tiny ops, no spin-wait)")
     a = p.parse_args(argv)
     model_path = a.model_path or default_model_path()
     if model_path is None:
         p.error("no --model-path and sgl_vericache.default_model is not available")
+    for spec in a.compressors:
+        try:
+            parse_spec(spec)
+        except ValueError as exc:
+            p.error(f"--compressors {spec!r}: {exc}")
     quick_name = "benchmark/results/compressors_quick.json"
     return BenchConfig(
         model_path=model_path,
@@ -285,6 +322,7 @@ def parse_args(argv=None) -> BenchConfig:
         out=a.out or (quick_name if a.quick else BenchConfig.out),
         check_hf=a.check_hf,
         threads=a.threads,
+        compressors=tuple(a.compressors),
     )
 
 
@@ -314,7 +352,8 @@ def main(argv=None) -> None:
     model, tokenizer = Llama(Path(cfg.model_path)), ChatTokenizer(Path(cfg.model_path))
     eos = model.cfg.get("eos_token_id", [])
     eos = ({eos} if isinstance(eos, int) else set(eos)) | {tokenizer.eos_token_id} - {None}
-    comps = build_compressors(cfg.ratios, variants=cfg.num_prompts > 3)
+    comps = ([parse_spec(s) for s in cfg.compressors] if cfg.compressors
+             else build_compressors(cfg.ratios, variants=cfg.num_prompts > 3))
     prompts = PROMPTS[: cfg.num_prompts]
     print(f"{len(comps)} compressors x {len(prompts)} prompts, {cfg.gen_len} tokens, draft {cfg.draft_len}")
     prompt_results = []
