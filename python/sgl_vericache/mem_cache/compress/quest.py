@@ -8,12 +8,12 @@ P pages, so Quest saves reads, not memory: nbytes() is the full KV plus the min/
 metadata (achieved_ratio < 1), read_nbytes() what one step reads (achieved_read_ratio).
 
 Who chooses (option ``heads``): the paper's models are multi-head, one query head a KV head.
-Under GQA, ``kv`` (the default) chooses once per KV head by the largest of its query
-heads' bounds (a page any head of the group may attend to), so each chosen page is read
-once for the whole group; ``query`` chooses per query
-head as the paper does, so a KV head's pages are read once per query head of its group (a
-GPU draft then reads group / ratio of the KV, more than the full KV at group > ratio).
-With one query head a KV head the two are the same.
+Under GQA, ``kv`` (the default) chooses once per KV head by the largest of its query heads'
+bounds (a page any head of the group may attend to), so each chosen page is read once for
+the whole group; ``query`` chooses per query head as the paper does, so a GPU draft reads a
+KV head's chosen pages once per query head of its group (group / ratio of the KV, more than
+all of it at group > ratio; read_nbytes() counts them once either way). With one query head
+a KV head the two are the same. Measured: benchmark/results/quest_heads.json.
 """
 
 from __future__ import annotations
