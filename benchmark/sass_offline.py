@@ -78,10 +78,10 @@ def _quest_kv_args() -> dict:
             "NUM_SPLITS": "i32"}
 
 
-_QUEST_KV = dict(GROUP=4, GP=16, D=128, BN=32, PAGE=16, ROUND=2, DOT=2, FUSED=False, HAS_LSE=False)
+_QUEST_KV = dict(GROUP=4, GP=16, D=128, BN=32, PAGE=16, ROUND=2, DOT=2, FUSED=False, HAS_LSE=False, SP=2)
 QUEST_VARIANTS = {
     "quest_kv": (tq._quest_group_kernel, _quest_kv_args(), _QUEST_KV, 32, 4, 2),
-    "quest_kv_fused": (tq._quest_group_kernel, _quest_kv_args(), {**_QUEST_KV, "FUSED": True},
+    "quest_kv_fused": (tq._quest_group_kernel, _quest_kv_args(), {**_QUEST_KV, "FUSED": True, "SP": 16},
                        32, 4, 2),
     "quest_query": (tq._quest_split_kernel, {**_QUEST_ARGS, "PAGE_SIZE": "i32", "NUM_SPLITS": "i32"},
                     dict(GROUP=4, D=128, BN=64, ROUND=2), 64, 4, 2),
@@ -120,7 +120,8 @@ def compile_variant(name: str, group: int = 4, head_dim: int = 128, arch: int = 
     constexprs = dict(GROUP=group, GP=16, D=head_dim, BN=bn, FMT=fmt, BITS=bits, QGROUP=32, CGROUP=32,
                       KMODE=1 if bn <= 32 else 2, HEAD_SCALE=False, INDEXED=False, ROUND=2, DOT=2,
                       FOLD=fmt in (FMT_INT8, FMT_FP8), UNPACK=0, HALF=half, Q_BF16=True, ASM=asm,
-                      MROUND=1 if half else 2, MDOT=1 if half else 2, FUSED=fused, HAS_LSE=False)
+                      MROUND=1 if half else 2, MDOT=1 if half else 2, FUSED=fused, HAS_LSE=False,
+                      SP=16 if fused else 2)
     return compile_kernel(td._decode_split_kernel, signature(fmt), constexprs, warps, stages, arch)
 
 

@@ -220,7 +220,8 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         FOLD=folds(config, packed, q.dtype) or (half and packed.fmt != FMT_KIVI), UNPACK=config.unpack, HALF=half,
         MROUND=1 if half else rnd, MDOT=1 if half else dot, Q_BF16=q.dtype == torch.bfloat16,
         ASM=config.asm if half and q.device.type == "cuda" and not interpreting() else 0,
-        FUSED=config.fused, HAS_LSE=return_lse, num_warps=config.num_warps, num_stages=config.num_stages,
+        FUSED=config.fused, HAS_LSE=return_lse, SP=max(2, splits) if config.fused else 2,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if config.fused:
         return (out, lse) if return_lse else out
@@ -277,7 +278,8 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
         tq._quest_group_kernel[(num_rows, heads, splits)](
             *head, _or(out, m), _or(lse, m), _or(tickets, rows.meta), *tail, splits, GROUP=group,
             GP=max(16, _pow2(group)), D=head_dim, BN=config.block_n, PAGE=packed.page_size, ROUND=rnd, DOT=dot,
-            FUSED=config.fused, HAS_LSE=return_lse, num_warps=config.num_warps, num_stages=config.num_stages)
+            FUSED=config.fused, HAS_LSE=return_lse, SP=max(2, splits) if config.fused else 2,
+            num_warps=config.num_warps, num_stages=config.num_stages)
         if config.fused:
             return (out, lse) if return_lse else out
     else:  # one program per query head: merged by the second kernel (config.fused does not apply)

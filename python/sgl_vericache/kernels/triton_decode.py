@@ -256,7 +256,7 @@ def _decode_split_kernel(
     HEAD_SCALE: tl.constexpr, INDEXED: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
     FOLD: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr, Q_BF16: tl.constexpr, ASM: tl.constexpr,
     MROUND: tl.constexpr, MDOT: tl.constexpr,  # the main segment's ROUND / DOT: fp16 (1, 1) with HALF
-    FUSED: tl.constexpr = False, HAS_LSE: tl.constexpr = False,
+    FUSED: tl.constexpr = False, HAS_LSE: tl.constexpr = False, SP: tl.constexpr = 2,  # SP: splits, pow2 >= 2
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -302,18 +302,23 @@ def _decode_split_kernel(
     ext_row0 = tl.load(meta + 4).to(tl.int64) * E_CAP
     m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, ke_ptr, ve_ptr, ext_row0, ext_len, h, H, qk_scale,
                                    ROUND, DOT, BN, D)
-    _finish_rows(m_i, l_i, acc, q_rows, gi < GROUP, split, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
-                 tick_ptr + r * H + h, NUM_SPLITS, D, FUSED, HAS_LSE)
+    _finish_rows(m_i, l_i, acc, r.to(tl.int64) * HQ + h * GROUP, split, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
+                 tick_ptr + r * H + h, NUM_SPLITS, GROUP, D, SP, FUSED, HAS_LSE)
 
 
 @triton.jit
-def _finish_rows(m_i, l_i, acc, q_rows, keep, split, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, tick_ptr,
-                 NUM_SPLITS, D: tl.constexpr, FUSED: tl.constexpr, HAS_LSE: tl.constexpr):
-    """Store one program's split state for its query rows (``keep`` of them real). FUSED:
-    then take the (row, KV head)'s ticket; the program that takes the last one merges every
-    split of those rows into the output, as _combine_kernel would, and resets the ticket
-    for the next launch. Its loads bypass L1 (.cg): other programs wrote the states."""
+def _finish_rows(m_i, l_i, acc, q_row0, split, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, tick_ptr, NUM_SPLITS,
+                 GROUP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, FUSED: tl.constexpr,
+                 HAS_LSE: tl.constexpr):
+    """Store one program's split state for its query rows q_row0 + [0, GROUP) (m_i etc. hold
+    GP >= GROUP rows, the rest padding). FUSED: then take the (row, KV head)'s ticket; the
+    program that takes the last one merges every split of those rows into the output, as
+    _combine_kernel would (all SP >= NUM_SPLITS splits of a row in one load), and resets the
+    ticket for the next launch. Its loads bypass L1 (.cg): other programs wrote the states."""
     d = tl.arange(0, D)
+    gi = tl.arange(0, m_i.shape[0])
+    keep = gi < GROUP
+    q_rows = q_row0 + gi
     out_rows = q_rows * NUM_SPLITS + split
     tl.store(m_ptr + out_rows, m_i, mask=keep)
     tl.store(l_ptr + out_rows, l_i, mask=keep)
@@ -321,24 +326,26 @@ def _finish_rows(m_i, l_i, acc, q_rows, keep, split, m_ptr, l_ptr, acc_ptr, out_
     if FUSED:
         tl.debug_barrier()  # every thread's stores come before the ticket (released with it)
         if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            m_max = tl.full(m_i.shape, float("-inf"), tl.float32)
-            for s in range(0, NUM_SPLITS):
-                m_max = tl.maximum(m_max, tl.load(m_ptr + q_rows * NUM_SPLITS + s, mask=keep, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-            m_max = tl.where(keep, m_max, 0.0)  # padding rows: weights of 1 over zeros, no inf * 0
-            total = tl.zeros(m_i.shape, tl.float32)
-            out = tl.zeros(acc.shape, tl.float32)
-            for s in range(0, NUM_SPLITS):
-                row = q_rows * NUM_SPLITS + s
-                w = tl.exp2(tl.load(m_ptr + row, mask=keep, other=0.0, cache_modifier=".cg") - m_max)
-                total += w * tl.load(l_ptr + row, mask=keep, other=0.0, cache_modifier=".cg")
-                out += w[:, None] * tl.load(acc_ptr + (row * D)[:, None] + d[None, :], mask=keep[:, None],
-                                            other=0.0, cache_modifier=".cg")
-            live = total > 0
-            out = out / tl.where(live, total, 1.0)[:, None]
-            tl.store(out_ptr + (q_rows * D)[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+            s = tl.arange(0, SP)
+            live = s < NUM_SPLITS
+            states = q_rows[:, None] * NUM_SPLITS + s[None, :]  # [GP, SP]
+            both = keep[:, None] & live[None, :]
+            m_all = tl.load(m_ptr + states, mask=both, other=float("-inf"), cache_modifier=".cg")
+            m_max = tl.where(keep, tl.max(m_all, 1), 0.0)  # padding rows: weights 0, no NaN
+            w = tl.exp2(m_all - m_max[:, None])
+            total = tl.sum(w * tl.load(l_ptr + states, mask=both, other=0.0, cache_modifier=".cg"), 1)
+            inv = 1.0 / tl.where(total > 0, total, 1.0)  # a row that saw no key: zeros
+            for g in tl.static_range(GROUP):  # one [SP, D] load of split states a query row
+                w_g = tl.sum(tl.where(gi[:, None] == g, w, 0.0), 0)
+                inv_g = tl.sum(tl.where(gi == g, inv, 0.0), 0)
+                row = q_row0 + g
+                part = tl.load(acc_ptr + ((row * NUM_SPLITS + s) * D)[:, None] + d[None, :], mask=live[:, None],
+                               other=0.0, cache_modifier=".cg")
+                out = tl.sum(w_g[:, None] * part, 0) * inv_g
+                tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
             if HAS_LSE:
-                lse = tl.where(live, (m_max + tl.log2(tl.where(live, total, 1.0))) / 1.4426950408889634, float("-inf"))
+                lse = tl.where(total > 0, (m_max + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
+                               float("-inf"))
                 tl.store(lse_ptr + q_rows, lse, mask=keep)
             tl.atomic_xchg(tick_ptr, 0)
 

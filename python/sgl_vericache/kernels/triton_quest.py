@@ -53,6 +53,7 @@ def _quest_group_kernel(
     qk_scale, H, HQ, E_CAP, EXT_ADD, K_SEL, NUM_SPLITS,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr,
     ROUND: tl.constexpr, DOT: tl.constexpr, FUSED: tl.constexpr = False, HAS_LSE: tl.constexpr = False,
+    SP: tl.constexpr = 2,
 ):
     """Per-KV-head choice: one program reads one row's KV head h (its GQA group's queries
     together) over a slice of the pages the page table chose for (row, h), then, in the
@@ -92,8 +93,8 @@ def _quest_group_kernel(
     ext_row0 = tl.load(meta + 4).to(tl.int64) * E_CAP
     m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, ke_ptr, ve_ptr, ext_row0, ext_len, h, H, qk_scale,
                                    ROUND, DOT, BN, D)
-    _finish_rows(m_i, l_i, acc, q_rows, gi < GROUP, split, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
-                 tick_ptr + r * H + h, NUM_SPLITS, D, FUSED, HAS_LSE)
+    _finish_rows(m_i, l_i, acc, r.to(tl.int64) * HQ + h * GROUP, split, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
+                 tick_ptr + r * H + h, NUM_SPLITS, GROUP, D, SP, FUSED, HAS_LSE)
 
 
 @triton.jit
