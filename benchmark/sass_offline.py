@@ -54,36 +54,27 @@ def signature(fmt: int) -> dict:
              "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16",
              "kr_ptr": "*bf16", "vr_ptr": "*bf16", "ke_ptr": "*bf16", "ve_ptr": "*bf16", "idx_ptr": "*i32",
              "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-             "tick_ptr": "*i32", "qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32", "NUM_SPLITS": "i32"}
+             "tick_ptr": "*i32", "qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32",
+             "NUM_SPLITS": "i32"}
     if fmt == FMT_INT8:
         types["ks_ptr"] = types["vs_ptr"] = "*fp16"
     return types
 
 
 # Quest's kernels at ops.MEASURED_LAUNCH (per KV head: the dense kernel's sizes), Llama-3-8B's
-# group of 4, d=128, 16-token pages: name -> (kernel, extra int args, constexprs, BN, warps, stages)
-_QUEST_ARGS = {"q_ptr": "*bf16", "meta_ptr": "*i32", "k_ptr": "*bf16", "v_ptr": "*bf16", "sel_ptr": "*i32",
-               "ke_ptr": "*bf16", "ve_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-               "qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32", "K_SEL": "i32"}
+# group of 4, d=128, 16-token pages: name -> (kernel, argument types, constexprs, BN, warps, stages)
+_QUEST_HEAD = {"q_ptr": "*bf16", "meta_ptr": "*i32", "k_ptr": "*bf16", "v_ptr": "*bf16", "sel_ptr": "*i32",
+               "ke_ptr": "*bf16", "ve_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+_QUEST_TAIL = {"qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32", "K_SEL": "i32"}
+_FUSED_ARGS = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "tick_ptr": "*i32"}  # the fused merge's outputs
 _SCORE_ARGS = {"q_ptr": "*bf16", "meta_ptr": "*i32", "pmin_ptr": "*bf16", "pmax_ptr": "*bf16", "out_ptr": "*fp32",
                "H": "i32", "HQ": "i32", "HC": "i32", "P_MAX": "i32", "PAGE_SIZE": "i32"}
-_FUSED_ARGS = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "tick_ptr": "*i32"}
-
-
-def _quest_kv_args() -> dict:
-    """_QUEST_ARGS with the fused merge's outputs after the partials, in the kernel's order."""
-    names = list(_QUEST_ARGS)
-    at = names.index("acc_ptr") + 1
-    return {**{n: _QUEST_ARGS[n] for n in names[:at]}, **_FUSED_ARGS, **{n: _QUEST_ARGS[n] for n in names[at:]},
-            "NUM_SPLITS": "i32"}
-
-
+_QUEST_KV_ARGS = {**_QUEST_HEAD, **_FUSED_ARGS, **_QUEST_TAIL, "NUM_SPLITS": "i32"}
 _QUEST_KV = dict(GROUP=4, GP=16, D=128, BN=32, PAGE=16, ROUND=2, DOT=2, FUSED=False, HAS_LSE=False, SP=2)
 QUEST_VARIANTS = {
-    "quest_kv": (tq._quest_group_kernel, _quest_kv_args(), _QUEST_KV, 32, 4, 2),
-    "quest_kv_fused": (tq._quest_group_kernel, _quest_kv_args(), {**_QUEST_KV, "FUSED": True, "SP": 16},
-                       32, 4, 2),
-    "quest_query": (tq._quest_split_kernel, {**_QUEST_ARGS, "PAGE_SIZE": "i32", "NUM_SPLITS": "i32"},
+    "quest_kv": (tq._quest_group_kernel, _QUEST_KV_ARGS, _QUEST_KV, 32, 4, 2),
+    "quest_kv_fused": (tq._quest_group_kernel, _QUEST_KV_ARGS, {**_QUEST_KV, "FUSED": True, "SP": 16}, 32, 4, 2),
+    "quest_query": (tq._quest_split_kernel, {**_QUEST_HEAD, **_QUEST_TAIL, "PAGE_SIZE": "i32", "NUM_SPLITS": "i32"},
                     dict(GROUP=4, D=128, BN=64, ROUND=2), 64, 4, 2),
     "page_scores_kv": (tq._page_scores_kernel, _SCORE_ARGS, dict(GROUP=4, PER_KV=True, D=128, BP=64), 0, 4, 2),
     "page_scores_query": (tq._page_scores_kernel, _SCORE_ARGS, dict(GROUP=4, PER_KV=False, D=128, BP=64), 0, 4, 2),

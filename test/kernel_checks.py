@@ -406,7 +406,8 @@ def _sweep() -> list[Case]:
             shape = Shape(lengths, kv_heads=1 if group == 8 else 2, group=group, head_dim=(64, 128)[(i + j) % 2],
                           dtype=dtypes[j])
             options = {"kivi4": {"group_size": (8, 16, 32)[j], "residual_length": (0, 8, 32)[(i + j) % 3]},
-                       "fp8": {"scale": ("head", "token")[j % 2]}, "quest": {"page_size": (8, 16)[j % 2], "heads": ("kv", "query")[j % 2]},
+                       "fp8": {"scale": ("head", "token")[j % 2]},
+                       "quest": {"page_size": (8, 16)[j % 2], "heads": ("kv", "query")[j % 2]},
                        "snapkv": {"window_size": 4, "min_budget": 8}}.get(method, {})
             if method == "kivi2":
                 options = {"group_size": (32, 8, 16)[j], "residual_length": (8, 0, 16)[j]}

@@ -13,8 +13,9 @@ compressed tokens. A row's keys are three segments read in order:
 The main segment is split across ``num_splits`` programs (flash-decoding); the last split
 also reads the two short segments. Partial softmax states go to a small fp32 buffer and
 ``_combine_kernel`` merges them, or (FUSED) the program that finishes a (row, KV head)'s
-last split merges them itself (``_finish_rows``), so no second kernel runs. Dequantized values are rounded to the entry's dtype before
-the products, exactly as ``materialize`` does on the torch path, or, with half products
+last split merges them itself (``_finish_rows``), so no second kernel runs. Dequantized
+values are rounded to the entry's dtype before the products, exactly as ``materialize``
+does on the torch path, or, with half products
 (HALF), computed and multiplied in fp16 (see ops.LaunchConfig.half); softmax and
 accumulation are fp32 (scores in the log2 domain). Codes become floats without conversion
 instructions (_codes_float), compiled by inline PTX where ASM is set.
@@ -312,9 +313,9 @@ def _finish_rows(m_i, l_i, acc, q_row0, split, m_ptr, l_ptr, acc_ptr, out_ptr, l
                  HAS_LSE: tl.constexpr):
     """Store one program's split state for its query rows q_row0 + [0, GROUP) (m_i etc. hold
     GP >= GROUP rows, the rest padding). FUSED: then take the (row, KV head)'s ticket; the
-    program that takes the last one merges every split of those rows into the output, as
-    _combine_kernel would (all SP >= NUM_SPLITS splits of a row in one load), and resets the
-    ticket for the next launch. Its loads bypass L1 (.cg): other programs wrote the states."""
+    program that takes the last one merges every split of those rows into the output
+    (_merge_splits, as _combine_kernel does) and resets the ticket for the next launch. Its
+    loads bypass L1 (.cg): other programs wrote the states."""
     d = tl.arange(0, D)
     gi = tl.arange(0, m_i.shape[0])
     keep = gi < GROUP
@@ -326,42 +327,33 @@ def _finish_rows(m_i, l_i, acc, q_row0, split, m_ptr, l_ptr, acc_ptr, out_ptr, l
     if FUSED:
         tl.debug_barrier()  # every thread's stores come before the ticket (released with it)
         if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            s = tl.arange(0, SP)
-            live = s < NUM_SPLITS
-            states = q_rows[:, None] * NUM_SPLITS + s[None, :]  # [GP, SP]
-            both = keep[:, None] & live[None, :]
-            m_all = tl.load(m_ptr + states, mask=both, other=float("-inf"), cache_modifier=".cg")
-            m_max = tl.where(keep, tl.max(m_all, 1), 0.0)  # padding rows: weights 0, no NaN
-            w = tl.exp2(m_all - m_max[:, None])
-            total = tl.sum(w * tl.load(l_ptr + states, mask=both, other=0.0, cache_modifier=".cg"), 1)
-            inv = 1.0 / tl.where(total > 0, total, 1.0)  # a row that saw no key: zeros
-            for g in tl.static_range(GROUP):  # one [SP, D] load of split states a query row
-                w_g = tl.sum(tl.where(gi[:, None] == g, w, 0.0), 0)
-                inv_g = tl.sum(tl.where(gi == g, inv, 0.0), 0)
-                row = q_row0 + g
-                part = tl.load(acc_ptr + ((row * NUM_SPLITS + s) * D)[:, None] + d[None, :], mask=live[:, None],
-                               other=0.0, cache_modifier=".cg")
-                out = tl.sum(w_g[:, None] * part, 0) * inv_g
-                tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
-            if HAS_LSE:
-                lse = tl.where(total > 0, (m_max + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
-                               float("-inf"))
-                tl.store(lse_ptr + q_rows, lse, mask=keep)
+            for g in tl.static_range(GROUP):  # the query rows' merges are independent loads, unrolled
+                _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, q_row0 + g, NUM_SPLITS, SP, D, HAS_LSE,
+                              ".cg")
             tl.atomic_xchg(tick_ptr, 0)
 
 
 @triton.jit
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, NUM_SPLITS,
                     SP: tl.constexpr, D: tl.constexpr, HAS_LSE: tl.constexpr):
-    """Merge one (row, query head)'s split states: out = sum_s w_s acc_s / sum_s w_s l_s.
-    A row that saw no key at all gets zeros (and lse -inf)."""
-    rh = tl.program_id(0).to(tl.int64)
+    """Merge one (row, query head)'s split states (see _merge_splits)."""
+    _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, tl.program_id(0).to(tl.int64), NUM_SPLITS, SP, D,
+                  HAS_LSE, "")
+
+
+@triton.jit
+def _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, rh, NUM_SPLITS, SP: tl.constexpr, D: tl.constexpr,
+                  HAS_LSE: tl.constexpr, CACHE: tl.constexpr):
+    """(row, query head) rh's split states, all SP >= NUM_SPLITS in one load (CACHE: the
+    loads' cache modifier), merged: out = sum_s w_s acc_s / sum_s w_s l_s. A row that saw
+    no key at all gets zeros (and lse -inf)."""
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
     live = s < NUM_SPLITS
-    m = tl.load(m_ptr + rh * NUM_SPLITS + s, mask=live, other=float("-inf"))
-    l = tl.load(l_ptr + rh * NUM_SPLITS + s, mask=live, other=0.0)
-    acc = tl.load(acc_ptr + ((rh * NUM_SPLITS + s) * D)[:, None] + d[None, :], mask=live[:, None], other=0.0)
+    m = tl.load(m_ptr + rh * NUM_SPLITS + s, mask=live, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(l_ptr + rh * NUM_SPLITS + s, mask=live, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(acc_ptr + ((rh * NUM_SPLITS + s) * D)[:, None] + d[None, :], mask=live[:, None], other=0.0,
+                  cache_modifier=CACHE)
     m_max = tl.max(m, 0)
     w = tl.exp2(m - m_max)
     total = tl.sum(w * l, 0)

@@ -3,9 +3,9 @@
 Who chooses is the compressor's ``heads`` option. Per KV head (the default): a page scores
 the largest bound among the KV head's query heads, and ``_quest_group_kernel`` reads each
 chosen page once for the whole GQA group, the group's queries as the rows of a matrix
-product (as ``triton_decode._decode_split_kernel`` reads a dense entry). Per query head (the paper's):
-two heads of one group may read different pages, so ``_quest_split_kernel`` runs per (row,
-query head), a one-row query, scores by multiply-and-sum. Keys and values are dense in the
+product (as ``triton_decode._decode_split_kernel`` reads a dense entry). Per query head
+(the paper's): two heads of one group may read different pages, so ``_quest_split_kernel``
+runs per (row, query head), a one-row query, scores by multiply-and-sum. Keys and values are dense in the
 entry dtype; the pages come from a page table [R, H_c, K] (H_c the choosing heads; the
 top-scored pages, best first), of which a row reads its first ``pages_read``. The partial
 states use the layout of ``triton_decode._combine_kernel``.
