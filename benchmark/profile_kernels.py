@@ -40,6 +40,10 @@ LAUNCHES = {  # name -> (method, LaunchConfig fields)
     "kivi2_half": ("kivi2", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 0}),
     "fp8_half": ("fp8", {"block_n": 32, "num_warps": 4, "num_stages": 3, "half": True, "asm": 0}),
     "droppers": ("droppers", {}),
+    # the int64 addressing the default int32 offsets within an entry replaced (not yet timed)
+    "int8_half_asm_off64": ("int8", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 1,
+                                     "int32_offsets": False}),
+    "droppers_off64": ("droppers", {"int32_offsets": False}),
 }
 
 

@@ -3,10 +3,12 @@
     .venv/bin/python benchmark/sass_offline.py                       # every variant, sm_90
     .venv/bin/python benchmark/sass_offline.py --only int8_half --dump /tmp/sass
     .venv/bin/python benchmark/sass_offline.py --only quest_kv quest_query page_scores_kv
+    .venv/bin/python benchmark/sass_offline.py --only int8_half_asm int8_half_asm_off64
 
 Triton's NVIDIA backend and the ptxas / cuobjdump it ships run on any x86 machine, so the
 compiled code of each launch variant (format x half products x inline PTX, at the launch
-sizes ops.MEASURED_LAUNCH uses) can be read here: per variant, the instructions of the main
+sizes ops.MEASURED_LAUNCH uses, offsets within an entry in int32 as the drafter launches them;
+``*_off64``: the int64 addressing that replaced) can be read here: per variant, the instructions of the main
 loop (the first backward branch's body: the compressed segment), by opcode. The counts are
 from the venv's Triton, not necessarily the GPU machine's (3.6): a guide to what an edit
 changes, checked against ``benchmark/profile_kernels.py`` on a lent GPU. Quest's kernels
@@ -98,21 +100,29 @@ def compile_kernel(fn, types: dict, constexprs: dict, warps: int, stages: int, a
 
 def compile_any(name: str, arch: int = 90):
     """(compiled kernel, warps, key tokens a main-loop iteration reads; 0: no such loop)."""
-    if name in QUEST_VARIANTS:
-        fn, types, constexprs, bn, warps, stages = QUEST_VARIANTS[name]
+    base = name.removesuffix("_off64")
+    off32 = base == name
+    if base in QUEST_VARIANTS:
+        fn, types, constexprs, bn, warps, stages = QUEST_VARIANTS[base]
+        if "OFF32" in fn.arg_names:  # the per-KV-head kernel (the others address in int64)
+            constexprs = {**constexprs, "OFF32": off32}
         return compile_kernel(fn, types, constexprs, warps, stages, arch), warps, bn
-    base = name.removesuffix("_fused")
+    fused = base.endswith("_fused")
+    base = base.removesuffix("_fused")
     _, _, _, _, bn, warps, _ = VARIANTS[base]
-    return compile_variant(base, arch=arch, fused=name != base), warps, bn
+    return compile_variant(base, arch=arch, fused=fused, off32=off32), warps, bn
 
 
-def compile_variant(name: str, group: int = 4, head_dim: int = 128, arch: int = 90, fused: bool = False):
+def compile_variant(name: str, group: int = 4, head_dim: int = 128, arch: int = 90, fused: bool = False,
+                    off32: bool = True):
+    """One launch variant of the decode kernel; off32: offsets within an entry in int32, as
+    the drafter launches it (ops.offsets32), else the int64 addressing it replaces."""
     fmt, bits, half, asm, bn, warps, stages = VARIANTS[name]
     constexprs = dict(GROUP=group, GP=16, D=head_dim, BN=bn, FMT=fmt, BITS=bits, QGROUP=32, CGROUP=32,
                       KMODE=1 if bn <= 32 else 2, HEAD_SCALE=False, INDEXED=False, ROUND=2, DOT=2,
                       FOLD=fmt in (FMT_INT8, FMT_FP8), UNPACK=0, HALF=half, Q_BF16=True, ASM=asm,
                       MROUND=1 if half else 2, MDOT=1 if half else 2, FUSED=fused, HAS_LSE=False,
-                      SP=16 if fused else 2)
+                      SP=16 if fused else 2, OFF32=off32)
     return compile_kernel(td._decode_split_kernel, signature(fmt), constexprs, warps, stages, arch)
 
 
@@ -159,7 +169,8 @@ def loops(sass: str) -> list[collections.Counter]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *QUEST_VARIANTS]
+    decode = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), "quest_kv", "quest_kv_fused"]
+    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *QUEST_VARIANTS, *(f"{n}_off64" for n in decode)]
     ap.add_argument("--only", nargs="*", choices=every, default=every)
     ap.add_argument("--defaults", action="store_true", help="only each kernel's default launch on a GPU")
     ap.add_argument("--arch", type=int, default=90, help="SM version (90: H100 / H200)")

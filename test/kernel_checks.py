@@ -346,6 +346,16 @@ def _launch_variants() -> list[Case]:
         ("kivi4", KIVI, Shape((37, 70, 5)), 2),
         ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
     )]
+    # entries addressed in int64 (LaunchConfig.int32_offsets=False; the default addresses an
+    # entry's rows in int32 from its first row): every format and Quest per KV head, several entries
+    cases += [_method_case(*row, int32_offsets=False) for row in (
+        ("kivi4", KIVI, Shape((37, 70, 5), dtype=b16), 2),
+        ("kivi2", {"group_size": 16, "residual_length": 0}, Shape((48, 96), group=8, kv_heads=1), 4),
+        ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
+        ("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1),
+        ("h2o", {"min_budget": 8}, Shape((77, 30), dtype=b16), 2),
+        ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
+    )]
     half_kivi = [
         ("kivi2", {"group_size": 32, "residual_length": 16}, Shape((100, 49), head_dim=128, dtype=b16), 1),
         ("kivi4", KIVI, Shape((37, 70, 5), dtype=f16), 2),

@@ -204,6 +204,23 @@ def test_kivi_half_precision_blocks_are_raised_on_cuda_only():
     assert ops.kivi_block_n(ops.LaunchConfig(block_n=128), kivi, 2, cuda) == 128
 
 
+def test_entries_are_addressed_in_int32_only_where_their_offsets_fit():
+    """ops.offsets32: int32 offsets from an entry's first row where the longest entry's
+    element offsets (plus a block of masked rows) stay below 2^31; int64 past that, for a
+    pool read through a token table, and when asked."""
+    from types import SimpleNamespace
+
+    from sgl_vericache.kernels import ops
+
+    packed = SimpleNamespace(num_kv_heads=8, head_dim=128, indices=None)
+    on, off = ops.LaunchConfig(), ops.LaunchConfig(int32_offsets=False)
+    limit = 2**31 // (8 * 128)  # rows of 8 heads x 128 elements
+    assert ops.offsets32(on, packed, 131072, 32)  # 128k tokens at Llama-3-8B's heads
+    assert ops.offsets32(on, packed, limit - 33, 32)
+    assert not ops.offsets32(on, packed, limit - 32, 32)  # the last block's masked rows would overflow
+    assert not ops.offsets32(off, packed, 1024, 32)
+    assert not ops.offsets32(on, SimpleNamespace(num_kv_heads=8, head_dim=128, indices=torch.zeros(1)), 1024, 32)
+
 
 def test_unset_launch_sizes_come_from_the_measured_table():
     from sgl_vericache.kernels import ops

@@ -68,6 +68,12 @@ class LaunchConfig:
     # For small launches, where the merge's launch is a fixed cost (Llama-70B/TP8's dropper
     # rows); not yet timed on a GPU, so off unless asked (bench_kernels searches it)
     fused: bool = False
+    # address an entry's rows in int32 from a pointer to its first row, set once a program,
+    # instead of int64 arithmetic for every row of every block (offline at sm_90: the int8
+    # main loop 841 -> 751 instructions, fp8 534 -> 492, the dense kernel's registers 96 -> 80).
+    # Used where an entry's offsets fit (offsets32); a pool read through a token table and
+    # Quest per query head keep int64. Not yet timed on a GPU: bench_kernels searches it off
+    int32_offsets: bool = True
 
 
 # (block_n, num_warps, num_stages) per format, the fastest bench_kernels.py found on an H200
@@ -160,6 +166,14 @@ def halves(config: LaunchConfig, packed: PackedKV, q_dtype: torch.dtype) -> bool
             and q_dtype in half_types)
 
 
+def offsets32(config: LaunchConfig, packed: PackedKV, longest: int, block_n: int) -> bool:
+    """Whether a launch addresses entries in int32 (LaunchConfig.int32_offsets): entries laid
+    end to end (not a pool read through a token table) whose element offsets, ``longest``
+    rows of H_kv heads and a block past them (masked rows compute theirs too), stay below 2^31."""
+    rows = longest + block_n
+    return config.int32_offsets and packed.indices is None and rows * packed.num_kv_heads * packed.head_dim < 2**31
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
@@ -221,6 +235,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         MROUND=1 if half else rnd, MDOT=1 if half else dot, Q_BF16=q.dtype == torch.bfloat16,
         ASM=config.asm if half and q.device.type == "cuda" and not interpreting() else 0,
         FUSED=config.fused, HAS_LSE=return_lse, SP=max(2, splits) if config.fused else 2,
+        OFF32=offsets32(config, packed, longest, block_n),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if config.fused:
@@ -274,11 +289,13 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
     head = (q, rows.meta, packed.k, packed.v, selection, ke, ve, m, l, acc)
     tail = (scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, selection.shape[2])
     if per_kv:
+        entry_rows = max((packed.main_len[e] for e in rows.entries), default=0)
         out, lse, tickets = _outputs(config, num_rows, heads, q, return_lse)
         tq._quest_group_kernel[(num_rows, heads, splits)](
             *head, _or(out, m), _or(lse, m), _or(tickets, rows.meta), *tail, splits, GROUP=group,
             GP=max(16, _pow2(group)), D=head_dim, BN=config.block_n, PAGE=packed.page_size, ROUND=rnd, DOT=dot,
             FUSED=config.fused, HAS_LSE=return_lse, SP=max(2, splits) if config.fused else 2,
+            OFF32=offsets32(config, packed, entry_rows, config.block_n),
             num_warps=config.num_warps, num_stages=config.num_stages)
         if config.fused:
             return (out, lse) if return_lse else out

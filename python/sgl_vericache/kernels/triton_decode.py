@@ -197,6 +197,28 @@ def _load_main(data_ptr, s_ptr, z_ptr, tok, tok0, entry, h, H, valid,
 
 
 @triton.jit
+def _entry_base(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, first, H, FMT: tl.constexpr, BITS: tl.constexpr,
+                QGROUP: tl.constexpr, CGROUP: tl.constexpr, HEAD_SCALE: tl.constexpr, D: tl.constexpr):
+    """The main segment's pointers (codes, and the scales and zeros indexed by token) moved to
+    row ``first`` (int64) of their tensors, once a program: the blocks then index rows
+    relative to it in int32 (ops.offsets32 checks an entry's offsets fit), instead of int64
+    address arithmetic for every row of every block. KIVI entries start on a whole key-scale
+    group (an entry's quantized length is a multiple of it)."""
+    row = D * BITS // 8 if FMT == 1 else D
+    k_ptr += first * (H * row)
+    v_ptr += first * (H * row)
+    if FMT == 1:
+        ks_ptr += (first // QGROUP) * (H * D)
+        kz_ptr += (first // QGROUP) * (H * D)
+        vs_ptr += first * (H * (D // CGROUP))
+        vz_ptr += first * (H * (D // CGROUP))
+    elif FMT != 0 and not HEAD_SCALE:  # int8 / fp8 scales per token (fp8 "head": per entry, left as is)
+        ks_ptr += first * H
+        vs_ptr += first * H
+    return k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr
+
+
+@triton.jit
 def _dense_segment(q, m_i, l_i, acc, k_ptr, v_ptr, row0, count, h, H, qk_scale,
                    ROUND: tl.constexpr, DOT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     """Fold ``count`` consecutive dense rows starting at row0 of [N, H, D] K/V."""
@@ -258,6 +280,7 @@ def _decode_split_kernel(
     FOLD: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr, Q_BF16: tl.constexpr, ASM: tl.constexpr,
     MROUND: tl.constexpr, MDOT: tl.constexpr,  # the main segment's ROUND / DOT: fp16 (1, 1) with HALF
     FUSED: tl.constexpr = False, HAS_LSE: tl.constexpr = False, SP: tl.constexpr = 2,  # SP: splits, pow2 >= 2
+    OFF32: tl.constexpr = False,  # main-segment offsets in int32 from the entry's first row (not INDEXED)
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -283,11 +306,20 @@ def _decode_split_kernel(
     per_split = tl.cdiv(tl.cdiv(main_len, NUM_SPLITS), BN) * BN
     lo = split * per_split
     hi = tl.minimum(main_len, lo + per_split)
+    tl.static_assert(not (OFF32 and INDEXED), "a pool read through a token table keeps int64 rows")
+    if OFF32:  # the main segment's pointers at the entry's first row: offsets within it in int32
+        k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr = _entry_base(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
+                                                                   main_start, H, FMT, BITS, QGROUP, CGROUP,
+                                                                   HEAD_SCALE, D)
     for start in range(lo, hi, BN):
         t = start + tl.arange(0, BN)
         valid = t < hi
-        tok0 = main_start + start
-        tok = tok0 + tl.arange(0, BN).to(tl.int64)
+        if OFF32:
+            tok0 = start
+            tok = t
+        else:
+            tok0 = main_start + start
+            tok = tok0 + tl.arange(0, BN).to(tl.int64)
         if INDEXED:
             tok = tl.load(idx_ptr + tok, mask=valid, other=0).to(tl.int64)
         m_i, l_i, acc = _main_block(qm, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tok, tok0,

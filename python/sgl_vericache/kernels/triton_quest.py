@@ -53,11 +53,12 @@ def _quest_group_kernel(
     qk_scale, H, HQ, E_CAP, EXT_ADD, K_SEL, NUM_SPLITS,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr,
     ROUND: tl.constexpr, DOT: tl.constexpr, FUSED: tl.constexpr = False, HAS_LSE: tl.constexpr = False,
-    SP: tl.constexpr = 2,
+    SP: tl.constexpr = 2, OFF32: tl.constexpr = False,
 ):
     """Per-KV-head choice: one program reads one row's KV head h (its GQA group's queries
     together) over a slice of the pages the page table chose for (row, h), then, in the
-    last split, the row's provisional tokens (FUSED: see triton_decode._finish_rows)."""
+    last split, the row's provisional tokens (FUSED: see triton_decode._finish_rows; OFF32:
+    see triton_decode._entry_base)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -73,6 +74,9 @@ def _quest_group_kernel(
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
 
+    if OFF32:  # K / V at the entry's first row: offsets within it in int32 (as triton_decode._entry_base)
+        k_ptr += main_start * (H * D)
+        v_ptr += main_start * (H * D)
     table = sel_ptr + (r.to(tl.int64) * H + h) * K_SEL
     span = pages_read * PAGE  # slots of the chosen pages, in table order
     per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BN) * BN
@@ -83,7 +87,7 @@ def _quest_group_kernel(
         page = tl.load(table + i // PAGE, mask=i < hi, other=0)
         t = page * PAGE + i % PAGE
         valid = (i < hi) & (t < num_tokens)  # the last page may be partial
-        tok = main_start + t.to(tl.int64)
+        tok = t if OFF32 else main_start + t.to(tl.int64)
         k = _dot_in(_round_to(_load_dense(k_ptr, tok, h, H, valid, D), ROUND), DOT)
         s = tl.where(valid[None, :], _mm(q, tl.trans(k), DOT) * qk_scale, float("-inf"))
         v = _dot_in(_round_to(_load_dense(v_ptr, tok, h, H, valid, D), ROUND), DOT)
