@@ -16,6 +16,10 @@ the call reads, achieved GB/s and share of the HBM peak (--hbm-tbps, H200 4.8), 
 speedup over the faster full-KV baseline. The entries are synthetic (random codes and
 scales in each compressor's exact layout): timing does not depend on the values.
 
+Then several requests' entries read together (kivi4 and the droppers at 32k x 8): packed end
+to end (one copy of their compressed bytes a layer and round) against in place (a table of
+their addresses, what the drafter does), and one draft step's kernel over each.
+
 Then the full-KV host -> device layer loader: one layer's pinned host KV copied to each of
 the 80 layers' device buffers on a side stream with an event per layer, alone and while a
 draft round (draft_len x 80 kernel calls, one CUDA graph) runs on the main stream: GB/s
@@ -368,6 +372,55 @@ def bench_loader(timer, device, gen, context=32768, batch=8, layers=80, draft_le
                     "One pinned layer buffer is the source of every layer's copy (same DMA cost as 80)."}
 
 
+# ---------------------------------------------------------------- several requests' entries
+
+
+def bench_pack(timer, device, gen, method: str, shape_name: str, context: int, batch: int, steps: int = 30,
+               config=ops.LaunchConfig()) -> dict:
+    """What reading ``batch`` requests' entries together costs the drafter per layer and round:
+    real entries (the compressor's own ``compress`` of random K/V, each its own tensors, as
+    the store keeps them) packed end to end (``pack``: one copy of the compressed bytes) or
+    in place (``pack(in_place=True)``: a table of their addresses), wall time with the host
+    work; and one draft step's kernel over each (a CUDA graph, L2 flushed), which should be
+    the same. ``copy_share_of_round``: the copy against ``steps`` draft steps of that layer."""
+    from sgl_vericache.kernels.packing import pack
+
+    hq, hkv, d = SHAPES[shape_name]
+    name = {"droppers": "snapkv"}.get(method, method)
+    comp = get_compressor(name, RATIO, **METHODS[method])
+    queries = _rand((8, hq, d), torch.bfloat16, device, gen) if comp.needs_queries else None
+    layers = [comp.compress(_rand((context, hkv, d), torch.bfloat16, device, gen),
+                            _rand((context, hkv, d), torch.bfloat16, device, gen), queries) for _ in range(batch)]
+    q = _rand((batch, hq, d), torch.bfloat16, device, gen)
+    ke, ve = (_rand((batch, 32, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
+
+    def wall(fn, reps=max(3, timer.reps // 2)) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return sorted(times)[len(times) // 2]
+
+    copied, in_place = pack(comp, layers), pack(comp, layers, in_place=True)
+    assert copied.copied and in_place.addresses is not None
+    out = {"method": method, "shape": shape_name, "context": context, "batch": batch, "steps": steps,
+           "entry_bytes": in_place.nbytes(),
+           "pack_copy_ms": wall(lambda: pack(comp, layers)),
+           "pack_in_place_ms": wall(lambda: pack(comp, layers, in_place=True)),
+           "draft_copied_ms": timer(_draft_call(copied, q, ke, ve, config))[0],
+           "draft_in_place_ms": timer(_draft_call(in_place, q, ke, ve, config))[0]}
+    for way, draft in (("copy", "draft_copied_ms"), ("in_place", "draft_in_place_ms")):
+        packing_ms = out[f"pack_{way}_ms"]
+        out[f"{way}_share_of_round"] = packing_ms / (packing_ms + steps * out[draft])
+    return out
+
+
 # ---------------------------------------------------------------- the sweep
 
 
@@ -466,6 +519,22 @@ def main() -> None:
                 torch.cuda.empty_cache()
             print(f"{shape_name:13s} {context:6d} x {batch:2d}: " + ", ".join(_brief(r) for r in rows), flush=True)
             _write(args.out, result)  # partial results survive a timeout
+    result["pack"] = []
+    for method, shape_name in (("kivi4", "llama70b-tp8"), ("droppers", "llama70b-tp8"), ("kivi4", "llama3-8b"),
+                               ("droppers", "llama3-8b")):
+        if shape_name not in shapes or (not args.smoke and time.monotonic() - started > args.budget_s + 20):
+            continue
+        context, batch = (256, 2) if args.smoke else (32768, 8)
+        try:
+            row = bench_pack(timer, device, gen, method, shape_name, context, batch, config=configs[shape_name][method])
+            print(f"pack {method} {shape_name} {context}x{batch}: copy {row['pack_copy_ms']:.2f} ms "
+                  f"({100 * row['copy_share_of_round']:.1f}% of a 30-step round), in place "
+                  f"{row['pack_in_place_ms']:.2f} ms; draft step {row['draft_copied_ms']:.3f} ms copied, "
+                  f"{row['draft_in_place_ms']:.3f} ms in place", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            row = {"method": method, "shape": shape_name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        result["pack"].append(row)
+        _write(args.out, result)
     if device.type == "cuda" and not args.no_loader:
         try:
             result["loader"] = loader = bench_loader(timer, device, gen, config=configs["llama70b-tp8"]["kivi4"])

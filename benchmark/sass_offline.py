@@ -55,7 +55,8 @@ def signature(fmt: int) -> dict:
     types = {"q_ptr": "*bf16", "meta_ptr": "*i32", "k_ptr": codes, "v_ptr": codes,
              "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16",
              "kr_ptr": "*bf16", "vr_ptr": "*bf16", "ke_ptr": "*bf16", "ve_ptr": "*bf16", "idx_ptr": "*i32",
-             "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+             "addr_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
+             "lse_ptr": "*fp32",
              "tick_ptr": "*i32", "qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32",
              "NUM_SPLITS": "i32"}
     if fmt == FMT_INT8:
@@ -66,11 +67,12 @@ def signature(fmt: int) -> dict:
 # Quest's kernels at ops.MEASURED_LAUNCH (per KV head: the dense kernel's sizes), Llama-3-8B's
 # group of 4, d=128, 16-token pages: name -> (kernel, argument types, constexprs, BN, warps, stages)
 _QUEST_HEAD = {"q_ptr": "*bf16", "meta_ptr": "*i32", "k_ptr": "*bf16", "v_ptr": "*bf16", "sel_ptr": "*i32",
-               "ke_ptr": "*bf16", "ve_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+               "ke_ptr": "*bf16", "ve_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+               "addr_ptr": "*i64"}
 _QUEST_TAIL = {"qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32", "K_SEL": "i32"}
 _FUSED_ARGS = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "tick_ptr": "*i32"}  # the fused merge's outputs
-_SCORE_ARGS = {"q_ptr": "*bf16", "meta_ptr": "*i32", "pmin_ptr": "*bf16", "pmax_ptr": "*bf16", "out_ptr": "*fp32",
-               "H": "i32", "HQ": "i32", "HC": "i32", "P_MAX": "i32", "PAGE_SIZE": "i32"}
+_SCORE_ARGS = {"q_ptr": "*bf16", "meta_ptr": "*i32", "pmin_ptr": "*bf16", "pmax_ptr": "*bf16", "addr_ptr": "*i64",
+               "out_ptr": "*fp32", "H": "i32", "HQ": "i32", "HC": "i32", "P_MAX": "i32", "PAGE_SIZE": "i32"}
 _QUEST_KV_ARGS = {**_QUEST_HEAD, **_FUSED_ARGS, **_QUEST_TAIL, "NUM_SPLITS": "i32"}
 _QUEST_KV = dict(GROUP=4, GP=16, D=128, BN=32, PAGE=16, ROUND=2, DOT=2, FUSED=False, HAS_LSE=False, SP=2)
 QUEST_VARIANTS = {
@@ -81,10 +83,15 @@ QUEST_VARIANTS = {
     "page_scores_kv": (tq._page_scores_kernel, _SCORE_ARGS, dict(GROUP=4, PER_KV=True, D=128, BP=64), 0, 4, 2),
     "page_scores_query": (tq._page_scores_kernel, _SCORE_ARGS, dict(GROUP=4, PER_KV=False, D=128, BP=64), 0, 4, 2),
 }
-# what test_kernels.py compiles: each format's default launch on a GPU (half products, inline PTX)
-# (and the fused split merge, LaunchConfig.fused, on the dense kernel)
+# what test_kernels.py compiles: each format's default launch on a GPU (half products, inline PTX),
+# for a lone entry and, _addr, for several read in place (and the fused split merge, LaunchConfig.fused,
+# on the dense kernel)
 DEFAULTS = ["dense", "dense_fused", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm",
             *QUEST_VARIANTS]
+DEFAULTS += [f"{name}_addr" for name in DEFAULTS if name != "dense_fused"]
+# name suffixes: _fused (LaunchConfig.fused), then _addr (several entries read in place through
+# their address table, packing.pack(in_place=True)) or _off64 (int64 offsets within an entry)
+SUFFIXES = ("_fused", "_addr", "_off64")
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, warps: int, stages: int, arch: int = 90):
@@ -100,29 +107,40 @@ def compile_kernel(fn, types: dict, constexprs: dict, warps: int, stages: int, a
 
 def compile_any(name: str, arch: int = 90):
     """(compiled kernel, warps, key tokens a main-loop iteration reads; 0: no such loop)."""
-    base = name.removesuffix("_off64")
-    off32 = base == name
+    base, flags = split_name(name)
     if base in QUEST_VARIANTS:
         fn, types, constexprs, bn, warps, stages = QUEST_VARIANTS[base]
         if "OFF32" in fn.arg_names:  # the per-KV-head kernel (the others address in int64)
-            constexprs = {**constexprs, "OFF32": off32}
+            constexprs = {**constexprs, "OFF32": "_off64" not in flags}
+        if "ADDR" in fn.arg_names:
+            constexprs = {**constexprs, "ADDR": "_addr" in flags}
         return compile_kernel(fn, types, constexprs, warps, stages, arch), warps, bn
-    fused = base.endswith("_fused")
-    base = base.removesuffix("_fused")
     _, _, _, _, bn, warps, _ = VARIANTS[base]
-    return compile_variant(base, arch=arch, fused=fused, off32=off32), warps, bn
+    return compile_variant(base, arch=arch, fused="_fused" in flags, off32="_off64" not in flags,
+                           addr="_addr" in flags), warps, bn
+
+
+def split_name(name: str) -> tuple[str, set]:
+    """'int8_half_asm_fused_addr' -> ('int8_half_asm', {'_fused', '_addr'})."""
+    flags = set()
+    for suffix in reversed(SUFFIXES):
+        if name.endswith(suffix):
+            flags.add(suffix)
+            name = name.removesuffix(suffix)
+    return name, flags
 
 
 def compile_variant(name: str, group: int = 4, head_dim: int = 128, arch: int = 90, fused: bool = False,
-                    off32: bool = True):
+                    off32: bool = True, addr: bool = False):
     """One launch variant of the decode kernel; off32: offsets within an entry in int32, as
-    the drafter launches it (ops.offsets32), else the int64 addressing it replaces."""
+    the drafter launches it (ops.offsets32), else the int64 addressing it replaces; addr:
+    entries read in place through their address table."""
     fmt, bits, half, asm, bn, warps, stages = VARIANTS[name]
     constexprs = dict(GROUP=group, GP=16, D=head_dim, BN=bn, FMT=fmt, BITS=bits, QGROUP=32, CGROUP=32,
                       KMODE=1 if bn <= 32 else 2, HEAD_SCALE=False, INDEXED=False, ROUND=2, DOT=2,
                       FOLD=fmt in (FMT_INT8, FMT_FP8), UNPACK=0, HALF=half, Q_BF16=True, ASM=asm,
                       MROUND=1 if half else 2, MDOT=1 if half else 2, FUSED=fused, HAS_LSE=False,
-                      SP=16 if fused else 2, OFF32=off32)
+                      SP=16 if fused else 2, OFF32=off32, ADDR=addr)
     return compile_kernel(td._decode_split_kernel, signature(fmt), constexprs, warps, stages, arch)
 
 
@@ -170,7 +188,8 @@ def loops(sass: str) -> list[collections.Counter]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     decode = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), "quest_kv", "quest_kv_fused"]
-    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *QUEST_VARIANTS, *(f"{n}_off64" for n in decode)]
+    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *QUEST_VARIANTS, *(f"{n}_off64" for n in decode),
+             *(f"{n}_addr" for n in [*decode, "quest_query", "page_scores_kv", "page_scores_query"])]
     ap.add_argument("--only", nargs="*", choices=every, default=every)
     ap.add_argument("--defaults", action="store_true", help="only each kernel's default launch on a GPU")
     ap.add_argument("--arch", type=int, default=90, help="SM version (90: H100 / H200)")

@@ -100,9 +100,10 @@ def _entries(method, options, shape: Shape, device, seed=0):
 
 
 def check_method(method: str, options: dict, shape: Shape, config: ops.LaunchConfig, device,
-                 extras: int = 4, seed: int = 0) -> float:
+                 extras: int = 4, seed: int = 0, in_place: bool = True) -> float:
     """A ragged batch, one query row per request; row r sees its first 1 + r % extras
-    provisional tokens. Each row against its compressor's attend."""
+    provisional tokens. Each row against its compressor's attend. The entries are read in
+    place (the drafter's way), or, ``in_place=False``, copied end to end."""
     comp, layers = _entries(method, options, shape, device, seed)
     rows_n, hq, d = len(layers), shape.kv_heads * shape.group, shape.head_dim
     q_dtype = shape.q_dtype or shape.dtype
@@ -110,7 +111,8 @@ def check_method(method: str, options: dict, shape: Shape, config: ops.LaunchCon
     k_ext, v_ext = (torch.randn(rows_n, extras, shape.kv_heads, d, generator=_gen(seed + s)).to(shape.dtype).to(device)
                     for s in (200, 201))
     ext_base = [r % extras for r in range(rows_n)]
-    packed = pack(comp, layers)
+    packed = pack(comp, layers, in_place=in_place)
+    assert (packed.addresses is not None) == (in_place and len(layers) > 1), "in place: an address table"
     rows = packed.rows(ext_base=ext_base)
     scale = 1 / (math.sqrt(d) * shape.q_gain)
     out = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config)
@@ -146,14 +148,14 @@ def check_tokens(method: str, options: dict, shape: Shape, device, steps: int = 
     return _close(out, ref, shape.dtype, f"{method} teacher-forced")
 
 
-def check_quest_selection(shape: Shape, device, page_size: int = 8, heads: str = "kv") -> float:
+def check_quest_selection(shape: Shape, device, page_size: int = 8, heads: str = "kv", in_place=True) -> float:
     """Quest's page scores (per KV head: the group's largest bound) and choice equal the
     torch path's."""
     comp, layers = _entries("quest", {"page_size": page_size, "heads": heads}, shape, device)
     hq, d = shape.kv_heads * shape.group, shape.head_dim
     per_kv = heads == "kv"
     q = torch.randn(len(layers), hq, d, generator=_gen(11)).to(shape.dtype).to(device)
-    packed = pack(comp, layers)
+    packed = pack(comp, layers, in_place=in_place)
     rows = packed.rows()
     scores = ops.page_scores(packed, q, rows)
     err = 0.0
@@ -198,7 +200,7 @@ def check_empty_and_lse(device, config: ops.LaunchConfig = None) -> float:
     comp, layers = _entries("int8", {}, shape, device)
     layers[0] = None  # a request with no verified KV yet
     q = torch.randn(2, 2, 64, generator=_gen(12)).to(device)
-    packed = pack(comp, layers)
+    packed = pack(comp, layers, in_place=True)
     out, lse = ops.decode_attention(packed, q, 0.125, packed.rows(), config=config, return_lse=True)
     assert bool((out[0] == 0).all()) and bool(torch.isinf(lse[0]).all()), "an empty row must give zeros, lse -inf"
     k, v, _ = comp.materialize(layers[1])
@@ -210,7 +212,8 @@ def check_empty_and_lse(device, config: ops.LaunchConfig = None) -> float:
 def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32) -> float:
     """CompressedKVStore on the kernels (draft_kernels=True, what CUDA gets by default) against
     the same store on its dense torch path: requests of different lengths and compressors
-    drafted together over rounds that grow them, then a teacher-forced round."""
+    drafted together over rounds that grow them, then a teacher-forced round. Requests of one
+    method share its compressor, so the round reads their entries together (in place)."""
     shape = Shape((0,), kv_heads=2, group=3, dtype=dtype)
     from sgl_vericache.spec.drafter import CompressedKVStore
 
@@ -218,9 +221,12 @@ def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32) ->
     kv = [_kv(200, shape, 300 + i) for i in range(len(methods))]
     kv = [(k.to(device), v.to(device)) for k, v in kv]
     prompt_q = torch.randn(8, 6, 64, generator=_gen(31)).to(dtype).to(device)
-    comps = [get_compressor(m, 4.0, **({"page_size": 8} if m == "quest" else {}),
-                            **({"group_size": 8, "residual_length": 8} if m.startswith("kivi") else {}))
-             for m in methods]
+    made = {}
+    for m in methods:
+        made[m] = made.get(m) or get_compressor(m, 4.0, **({"page_size": 8} if m == "quest" else {}),
+                                                **({"group_size": 8, "residual_length": 8} if m.startswith("kivi")
+                                                   else {}))
+    comps = [made[m] for m in methods]
     stores = [CompressedKVStore(comps[0], num_layers=2, draft_kernels=flag) for flag in (False, True)]
     err = 0.0
     for rnd, grow in enumerate((0, 30)):
@@ -277,12 +283,14 @@ def _label(method, options, shape: Shape, splits) -> str:
     return label
 
 
-def _method_case(method, options, shape: Shape, splits, family=None, interpret=True, **launch) -> Case:
+def _method_case(method, options, shape: Shape, splits, family=None, interpret=True, in_place=True,
+                 **launch) -> Case:
     cfg = ops.LaunchConfig(num_splits=splits, **{"block_n": 16, **launch})
     family = family or ("quantizers" if method in QUANTIZERS else "droppers")
     label = _label(method, options, shape, splits) + "".join(f" {k}={v}" for k, v in launch.items())
-    return Case(label, lambda dev, a=(method, options, shape, cfg): check_method(*a, dev), family=family,
-                interpret=interpret, tags=(method,))
+    label += "" if in_place else " copied"
+    return Case(label, lambda dev, a=(method, options, shape, cfg): check_method(*a, dev, in_place=in_place),
+                family=family, interpret=interpret, tags=(method,))
 
 
 def _launch_variants() -> list[Case]:
@@ -346,8 +354,19 @@ def _launch_variants() -> list[Case]:
         ("kivi4", KIVI, Shape((37, 70, 5)), 2),
         ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
     )]
-    # entries addressed in int64 (LaunchConfig.int32_offsets=False; the default addresses an
-    # entry's rows in int32 from its first row): every format and Quest per KV head, several entries
+    # several entries copied end to end (pack's default; the drafter reads them in place):
+    # every format, Quest both ways, int32 offsets from each entry's start and int64 ones
+    for wide in (False, True):
+        cases += [_method_case(*row, in_place=False, **({"int32_offsets": False} if wide else {})) for row in (
+            ("kivi4", KIVI, Shape((37, 70, 5), dtype=b16), 2),
+            ("kivi2", {"group_size": 16, "residual_length": 0}, Shape((48, 96), group=8, kv_heads=1), 4),
+            ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
+            ("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1),
+            ("h2o", {"min_budget": 8}, Shape((77, 30), dtype=b16), 2),
+            ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
+            ("quest", {"page_size": 8, "heads": "query"}, Shape((83, 30, 9)), 2),
+        )]
+    # in place with int64 offsets (LaunchConfig.int32_offsets=False)
     cases += [_method_case(*row, int32_offsets=False) for row in (
         ("kivi4", KIVI, Shape((37, 70, 5), dtype=b16), 2),
         ("kivi2", {"group_size": 16, "residual_length": 0}, Shape((48, 96), group=8, kv_heads=1), 4),
@@ -432,16 +451,18 @@ def all_cases() -> list[Case]:
     cases += [Case(f"{m} teacher-forced rows", lambda dev, m=m, o=o: check_tokens(m, o, Shape((50,)), dev),
                    family="layouts", tags=(m, "tokens"))
               for m, o in (("kivi4", KIVI), ("snapkv", {"window_size": 4, "min_budget": 8}))]
-    for heads in ("kv", "query"):
-        cases.append(Case(f"quest page scores and choice, heads={heads}", lambda dev, h=heads: check_quest_selection(
-            Shape((83, 30)), dev, heads=h), family="layouts", tags=("quest",)))
+    for heads, in_place in (("kv", True), ("query", True), ("kv", False)):
+        cases.append(Case(f"quest page scores and choice, heads={heads}{'' if in_place else ' copied'}",
+                          lambda dev, h=heads, i=in_place: check_quest_selection(Shape((83, 30)), dev, heads=h,
+                                                                                  in_place=i),
+                          family="layouts", tags=("quest",)))
     cases.append(Case("paged full-KV pool", lambda dev: check_paged_pool(Shape((45, 70, 3)), dev), family="layouts",
                       tags=("full",)))
     cases.append(Case("empty row and lse", check_empty_and_lse, family="layouts", tags=("int8",)))
     cases.append(Case("empty row and lse, fused merge", lambda dev: check_empty_and_lse(
         dev, ops.LaunchConfig(block_n=16, num_splits=2, fused=True)), family="layouts", tags=("int8", "fused")))
     for methods in (("kivi4", "streamingllm", "full"), ("quest", "h2o", "int8"), ("fp8", "kivi2", "snapkv"),
-                    ("kivi4",)):
+                    ("kivi4",), ("int8", "kivi4", "int8"), ("quest", "snapkv", "quest")):
         cases.append(Case(f"store rounds {'+'.join(methods)}", lambda dev, m=methods: check_store_rounds(m, dev),
                           family="store", tags=methods))
     cases.append(Case("store rounds kivi4+snapkv bf16", lambda dev: check_store_rounds(

@@ -9,6 +9,7 @@ family (~1 min on 2 cores); with CUDA the `gpu` tests run them compiled, large o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -137,6 +138,36 @@ def test_flashinfer_backend_composes_entries_and_drafts_like_the_torch_path():
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_entries_are_packed_in_place_through_their_addresses_unless_misaligned():
+    """pack(in_place=True): no copy, each entry's tensors' addresses in the table, starts 0;
+    an entry whose tensor is not 16-byte aligned (what the kernels assume) is copied end to
+    end instead, as pack's default does."""
+    from sgl_vericache.kernels.packing import ADDR_FIELDS, pack
+    from sgl_vericache.mem_cache.compress import get_compressor
+
+    g = torch.Generator().manual_seed(0)
+    comp = get_compressor("int8", 2.0)
+    layers = [comp.compress(torch.randn(n, 2, 64, generator=g), torch.randn(n, 2, 64, generator=g)) for n in (9, 30)]
+    packed = pack(comp, layers, in_place=True)
+    assert packed.main_start == [0, 0] and packed.main_len == [9, 30] and not packed.copied
+    col = {name: i for i, name in enumerate(ADDR_FIELDS)}
+    for e, layer in enumerate(layers):
+        assert packed.addresses[e, col["k"]] == layer.k_codes.data_ptr()
+        assert packed.addresses[e, col["v_scale"]] == layer.v_scale.data_ptr()
+    assert packed.nbytes() == sum(t.nbytes for layer in layers for t in layer.tensors())
+    assert pack(comp, layers[:1], in_place=True).addresses is None  # a lone entry needs no table
+    copied = pack(comp, layers)
+    assert copied.addresses is None and copied.main_start == [0, 9] and copied.copied
+    assert torch.equal(copied.k, torch.cat([layer.k_codes for layer in layers]))
+    base = torch.zeros(30 * 2 * 64 + 1, dtype=torch.int8)
+    odd = base[1:].view(30, 2, 64)  # one byte off 16-byte alignment
+    odd.copy_(layers[1].k_codes)
+    layers[1] = dataclasses.replace(layers[1], k_codes=odd)
+    fallback = pack(comp, layers, in_place=True)
+    assert fallback.addresses is None and fallback.main_start == [0, 9]
+    assert torch.equal(fallback.k, torch.cat([layer.k_codes for layer in layers]))
+
+
 def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
     """benchmark/bench_kernels.py (which only a GPU times for real) runs end to end at tiny
     sizes: every method and baseline gives a row, with the bytes each layout reads."""
@@ -161,12 +192,17 @@ def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
     assert 1 < big["kivi4"]["read_ratio"] < big["kivi2"]["read_ratio"]  # window of 128 exact tokens at 256
     assert big["triton_paged"]["read_ratio"] < 1 and big["triton_paged"]["speedup_vs_full"] == 1.0
     assert result["targets"]["quantizers_at_70pct"] is None  # nothing at 32k x 8 measured
+    # several requests' real entries, copied end to end and in place (the smoke run: 70B/TP8 heads)
+    packs = {r["method"]: r for r in result["pack"]}
+    assert set(packs) == {"kivi4", "droppers"} and not [r for r in packs.values() if "error" in r]
+    for r in packs.values():
+        assert r["entry_bytes"] > 0 and 0 < r["copy_share_of_round"] < 1 and 0 < r["in_place_share_of_round"] < 1
 
 
 def test_default_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """The interpreter accepts code the compiler refuses (and the other way round), so every
     kernel the drafter launches by default on a GPU is compiled for an H100 / H200 here, by
-    the Triton and ptxas the venv ships (benchmark/sass_offline.py --defaults, ~12 s)."""
+    the Triton and ptxas the venv ships (benchmark/sass_offline.py --defaults, ~25 s)."""
     import triton
 
     bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -178,9 +214,16 @@ def test_default_kernels_compile_for_sm90_without_a_gpu(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "compile failed" not in out, out[-6000:]
-    compiled = {line.split()[0] for line in proc.stdout.splitlines() if " regs " in line}
-    assert compiled == {"dense", "dense_fused", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm",
-                        "quest_kv", "quest_kv_fused", "quest_query", "page_scores_kv", "page_scores_query"}, out[-3000:]
+    loops = {line.split()[0]: int(line.split("main loop")[1].split()[0]) for line in proc.stdout.splitlines()
+             if " regs " in line}
+    lone = {"dense", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm", "quest_kv", "quest_kv_fused",
+            "quest_query", "page_scores_kv", "page_scores_query"}
+    assert set(loops) == lone | {"dense_fused"} | {f"{name}_addr" for name in lone}, out[-3000:]
+    # several entries read in place through their address table: the same main loop as one
+    # entry's (the addresses are declared 16-byte aligned; without that no load is vectorized
+    # and the dense loop grows from ~210 to ~365 instructions)
+    for name in lone:
+        assert loops[f"{name}_addr"] <= 1.05 * loops[name], (name, loops[f"{name}_addr"], loops[name])
 
 
 def test_kivi_half_precision_blocks_are_raised_on_cuda_only():

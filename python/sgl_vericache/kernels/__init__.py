@@ -2,7 +2,7 @@
 
     draft_attention_available(device)   may the drafter use the kernels on this device?
     ops.decode_attention(packed, q, ...) one launch: a batch of rows over packed entries
-    packing.pack(compressor, layers)     several requests' entries of one layer, end to end
+    packing.pack(compressor, layers)     several requests' entries of one layer, end to end or in place
     draft_round.KernelDraftRound         CompressedKVStore's round on the kernels
 
 Kernels (Triton, each checked against its torch twin ``compressor.attend`` by

@@ -1,9 +1,10 @@
 """A draft round of ``CompressedKVStore`` on the kernels (the store's CUDA path).
 
 Instead of materializing every entry into a dense buffer, the round keeps, per layer and per
-compressor among its requests, the entries packed end to end (``packing.pack``: no copy for
-a lone request, else one copy of the compressed bytes per layer and round) and one small
-buffer for the round's provisional KV, [B, steps, H_kv, D]. Each draft step writes its new
+compressor among its requests, the entries as the kernels read them (``packing.pack``: in
+place, through a table of their addresses; laid end to end, one copy of the compressed bytes
+per layer and round, only for the opt-in FlashInfer path or an entry not 16-byte aligned) and
+one small buffer for the round's provisional KV, [B, steps, H_kv, D]. Each draft step writes its new
 K/V there and runs one kernel launch per compressor group. Entries are never modified.
 """
 
@@ -66,7 +67,7 @@ class KernelDraftRound:
         copies = 0
         for per_layer in self._packed:
             for packed in per_layer or ():
-                if packed.num_entries > 1:
+                if packed.copied:
                     copies += packed.nbytes()
         return extra + copies
 
@@ -115,7 +116,8 @@ class KernelDraftRound:
 
     def _layer(self, layer_id: int) -> list[PackedKV]:
         if self._packed[layer_id] is None:
-            packed = [pack(comp, [self._rows[b][1][layer_id] for b in members]) for comp, members in self._groups]
+            packed = [pack(comp, [self._rows[b][1][layer_id] for b in members], in_place=fi is None)
+                      for (comp, members), fi in zip(self._groups, self._flashinfer)]
             lens = [(p.main_len, p.rec_len, p.pages_read) for p in packed]
             if self._lens is None:
                 self._lens = lens

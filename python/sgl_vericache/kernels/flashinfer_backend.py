@@ -64,6 +64,7 @@ class FlashInferDecode:
         """Row r: q[r] over entry entries[r]'s dense rows and extras row extra_rows[r]'s first
         extra_lens[r] tokens. ``plan_key`` names the round (the entries' plan is reused while
         it stays the same); the extras' plan is redone when their lengths change."""
+        assert packed.addresses is None, "FlashInfer's page tables index entries laid end to end (pack's default)"
         heads, dim = packed.num_kv_heads, packed.head_dim
         num_q_heads = q.shape[1]
         if self._main_plan != plan_key:

@@ -24,7 +24,9 @@ import torch
 
 from . import triton_decode as td
 from . import triton_quest as tq
-from .packing import FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI, META_COLS, PackedKV, RowTable
+from .packing import ADDR_COLS, FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI, META_COLS, PackedKV, RowTable
+
+assert td.ADDR_COLS == ADDR_COLS, "the kernels' address table columns differ from packing.ADDR_FIELDS"
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_SPLITS = 64
@@ -168,8 +170,9 @@ def halves(config: LaunchConfig, packed: PackedKV, q_dtype: torch.dtype) -> bool
 
 def offsets32(config: LaunchConfig, packed: PackedKV, longest: int, block_n: int) -> bool:
     """Whether a launch addresses entries in int32 (LaunchConfig.int32_offsets): entries laid
-    end to end (not a pool read through a token table) whose element offsets, ``longest``
-    rows of H_kv heads and a block past them (masked rows compute theirs too), stay below 2^31."""
+    end to end or in place (not a pool read through a token table) whose element offsets,
+    ``longest`` rows of H_kv heads and a block past them (masked rows compute theirs too),
+    stay below 2^31."""
     rows = longest + block_n
     return config.int32_offsets and packed.indices is None and rows * packed.num_kv_heads * packed.head_dim < 2**31
 
@@ -225,7 +228,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         q, rows.meta, k, packed.v,
         _or(packed.k_scale, k), _or(packed.k_zero, k), _or(packed.v_scale, k), _or(packed.v_zero, k),
         _or(packed.k_recent, ke), _or(packed.v_recent, ve), ke, ve, _or(packed.indices, rows.meta),
-        m, l, acc, _or(out, m), _or(lse, m), _or(tickets, rows.meta),
+        _or(packed.addresses, rows.meta), m, l, acc, _or(out, m), _or(lse, m), _or(tickets, rows.meta),
         scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, splits,
         GROUP=group, GP=max(16, _pow2(group)), D=head_dim, BN=block_n,
         FMT=packed.fmt, BITS=packed.bits, QGROUP=packed.token_group, CGROUP=packed.channel_group,
@@ -235,7 +238,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         MROUND=1 if half else rnd, MDOT=1 if half else dot, Q_BF16=q.dtype == torch.bfloat16,
         ASM=config.asm if half and q.device.type == "cuda" and not interpreting() else 0,
         FUSED=config.fused, HAS_LSE=return_lse, SP=max(2, splits) if config.fused else 2,
-        OFF32=offsets32(config, packed, longest, block_n),
+        OFF32=offsets32(config, packed, longest, block_n), ADDR=packed.addresses is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if config.fused:
@@ -253,9 +256,10 @@ def page_scores(packed: PackedKV, q: torch.Tensor, rows: RowTable) -> torch.Tens
     row_pages = max((-(-packed.main_len[e] // packed.page_size) for e in rows.entries), default=1)
     out = torch.full((num_rows, heads, max(row_pages, 1)), float("-inf"), dtype=torch.float32, device=q.device)
     grid = (num_rows, heads, -(-max(row_pages, 1) // PAGE_SCORE_BLOCK))
-    tq._page_scores_kernel[grid](q.contiguous(), rows.meta, packed.page_min, packed.page_max, out,
-                                 packed.num_kv_heads, num_q_heads, heads, out.shape[2], packed.page_size,
-                                 GROUP=group, PER_KV=packed.page_per_kv_head, D=head_dim, BP=PAGE_SCORE_BLOCK)
+    tq._page_scores_kernel[grid](q.contiguous(), rows.meta, packed.page_min, packed.page_max,
+                                 _or(packed.addresses, rows.meta), out, packed.num_kv_heads, num_q_heads, heads,
+                                 out.shape[2], packed.page_size, GROUP=group, PER_KV=packed.page_per_kv_head,
+                                 D=head_dim, BP=PAGE_SCORE_BLOCK, ADDR=packed.addresses is not None)
     return out
 
 
@@ -286,7 +290,8 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
                                                       config.waves))
     rnd, dot = dot_modes(q.dtype, packed.dtype)
     m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
-    head = (q, rows.meta, packed.k, packed.v, selection, ke, ve, m, l, acc)
+    head = (q, rows.meta, packed.k, packed.v, selection, ke, ve, m, l, acc, _or(packed.addresses, rows.meta))
+    addr = packed.addresses is not None
     tail = (scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, selection.shape[2])
     if per_kv:
         entry_rows = max((packed.main_len[e] for e in rows.entries), default=0)
@@ -295,14 +300,14 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
             *head, _or(out, m), _or(lse, m), _or(tickets, rows.meta), *tail, splits, GROUP=group,
             GP=max(16, _pow2(group)), D=head_dim, BN=config.block_n, PAGE=packed.page_size, ROUND=rnd, DOT=dot,
             FUSED=config.fused, HAS_LSE=return_lse, SP=max(2, splits) if config.fused else 2,
-            OFF32=offsets32(config, packed, entry_rows, config.block_n),
+            OFF32=offsets32(config, packed, entry_rows, config.block_n), ADDR=addr,
             num_warps=config.num_warps, num_stages=config.num_stages)
         if config.fused:
             return (out, lse) if return_lse else out
     else:  # one program per query head: merged by the second kernel (config.fused does not apply)
         tq._quest_split_kernel[(num_rows, heads, splits)](
             *head, *tail, packed.page_size, splits, GROUP=group, D=head_dim, BN=config.block_n, ROUND=rnd,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            ADDR=addr, num_warps=config.num_warps, num_stages=config.num_stages)
     return _combine(m, l, acc, q.dtype, return_lse)
 
 

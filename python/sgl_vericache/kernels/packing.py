@@ -1,10 +1,14 @@
-"""Several requests' compressed entries for one layer, laid end to end as the kernels read them.
+"""Several requests' compressed entries for one layer, as the kernels read them.
 
-Each entry's tensors are concatenated along their token (or page, or group) dimension and a
-row table says where each query row's entry starts and how long it is (ragged: no row is
-padded, no kernel reads past a row's end). For one entry nothing is copied: the kernels
-read the entry's own tensors. Nothing here dequantizes: the codes, scales and zero points
-are the entry's stored bytes, in the entry's layout (see mem_cache/compress/quant.py).
+Two ways (``pack(..., in_place=)``). In place (what the drafter uses): nothing is copied; an
+address table holds each entry's tensors' addresses (``PackedKV.addresses``) and the kernels
+read every entry where it lies. Laid end to end (the default, and what FlashInfer's page
+tables need): each entry's tensors are concatenated along their token (or page, or group)
+dimension, one copy of the compressed bytes. Either way a row table says which entry each
+query row reads, where it starts and how long it is (ragged: no row is padded, no kernel
+reads past a row's end), and a lone entry is read in place without a table. Nothing here
+dequantizes: the codes, scales and zero points are the entry's stored bytes, in the
+entry's layout (see mem_cache/compress/quant.py).
 
 Pure torch; the kernels themselves live in triton_decode.py / triton_quest.py.
 """
@@ -27,6 +31,9 @@ FMT_DENSE, FMT_KIVI, FMT_INT8, FMT_FP8 = range(4)
 # row table columns (the kernels read them by these indices)
 MAIN_START, MAIN_LEN, REC_START, REC_LEN, EXT_ROW, EXT_BASE, ENTRY, PAGE_START, PAGES_READ = range(9)
 META_COLS = 9
+# address table columns (PackedKV.addresses): the tensors an entry is read from, in place
+ADDR_FIELDS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero", "k_recent", "v_recent", "page_min", "page_max")
+ADDR_COLS = len(ADDR_FIELDS)
 
 # the layer classes the kernels read, and the format each is read as
 KERNEL_FORMATS = {DenseLayer: FMT_DENSE, KeptTokensLayer: FMT_DENSE, QuestLayer: FMT_DENSE,
@@ -78,6 +85,11 @@ class PackedKV:
     page_size: int = 0
     page_per_kv_head: bool = True  # Quest's heads="kv": one page choice per KV head, not per query head
     indices: Optional[torch.Tensor] = None  # main row t of entry e is pool row indices[main_start[e] + t]
+    # in place: [E, ADDR_COLS] int64 on the device, entry e's tensors' addresses (0: none); the
+    # starts are then all 0 and the tensors above are one entry's, giving the kernels their
+    # pointer types. ``sources`` holds every tensor addressed (alive while this is)
+    addresses: Optional[torch.Tensor] = None
+    sources: tuple = ()
 
     @property
     def num_entries(self) -> int:
@@ -93,7 +105,12 @@ class PackedKV:
 
     def nbytes(self) -> int:
         """Bytes the kernels may read (every tensor; Quest reads the chosen pages only)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return sum(t.numel() * t.element_size() for t in (self.sources or self.tensors()))
+
+    @property
+    def copied(self) -> bool:
+        """Whether the entries were copied end to end (several of them, not in place)."""
+        return self.num_entries > 1 and self.addresses is None
 
     def rows(self, row_entry: Optional[Sequence[int]] = None, ext_row: Optional[Sequence[int]] = None,
              ext_base: Optional[Sequence[int]] = None) -> RowTable:
@@ -118,8 +135,9 @@ def supports(layer: Optional[CompressedLayer]) -> bool:
     return layer is None or type(layer) in KERNEL_FORMATS
 
 
-def pack(compressor: KVCompressor, layers: Sequence[Optional[CompressedLayer]]) -> PackedKV:
-    """Lay ``layers`` (one per request; None = no verified KV yet) end to end."""
+def pack(compressor: KVCompressor, layers: Sequence[Optional[CompressedLayer]], in_place: bool = False) -> PackedKV:
+    """``layers`` (one per request; None = no verified KV yet) for the kernels: laid end to
+    end, or, ``in_place``, addressed where they lie (see the module docstring)."""
     present = [l for l in layers if l is not None]
     if not present:
         raise ValueError("pack() needs at least one entry")
@@ -128,13 +146,25 @@ def pack(compressor: KVCompressor, layers: Sequence[Optional[CompressedLayer]]) 
         raise ValueError(f"no draft kernel reads {sorted(k.__name__ for k in kinds)} together")
     kind = kinds.pop()
     ref = present[0]
+    join = _Join(in_place and len(layers) > 1)
+    packed = _pack(compressor, layers, kind, ref, join)
+    if join.in_place and not join.aligned():  # the kernels assume 16-byte aligned entries: copy instead
+        join = _Join(False)
+        packed = _pack(compressor, layers, kind, ref, join)
+    if join.in_place:
+        packed.addresses = join.table(len(layers), ref.tensors()[0].device)
+        packed.sources = tuple(join.sources)
+    return packed
+
+
+def _pack(compressor, layers, kind, ref, join) -> PackedKV:
     if kind is KiviLayer:
-        return _pack_kivi(compressor, layers, ref)
+        return _pack_kivi(compressor, layers, ref, join)
     if kind in (Int8Layer, Fp8Layer):
-        return _pack_scaled(compressor, layers, ref, FMT_INT8 if kind is Int8Layer else FMT_FP8)
-    packed = _pack_dense(layers, ref)
+        return _pack_scaled(compressor, layers, ref, FMT_INT8 if kind is Int8Layer else FMT_FP8, join)
+    packed = _pack_dense(layers, ref, join)
     if kind is QuestLayer:
-        _add_pages(packed, compressor, layers, ref)
+        _add_pages(packed, compressor, layers, ref, join)
     return packed
 
 
@@ -169,47 +199,79 @@ def _field(layers, ref, name) -> list[torch.Tensor]:
     return [getattr(l, name) if l is not None else _empty_like_entry(ref, name) for l in layers]
 
 
-def _pack_dense(layers, ref) -> PackedKV:
+class _Join:
+    """How one field's per-entry tensors become a kernel argument: concatenated (one copy),
+    or, in place, one of them (for its pointer type) with every entry's address recorded."""
+
+    def __init__(self, in_place: bool):
+        self.in_place = in_place
+        self.columns: dict[str, list[int]] = {}
+        self.sources: list[torch.Tensor] = []
+
+    def __call__(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        if not self.in_place:
+            return _cat(parts)
+        parts = [p.contiguous() for p in parts]  # a copy only of an entry that is not contiguous
+        self.columns[name] = [p.data_ptr() for p in parts]
+        present = [p for p in parts if p.numel()]
+        self.sources += present
+        return present[0] if present else _cat(parts[:1])
+
+    def aligned(self) -> bool:
+        """Every entry's tensors start on 16 bytes (what the kernels assume of an address)."""
+        return all(addr % 16 == 0 for column in self.columns.values() for addr in column)
+
+    def starts(self, lens: Sequence[int]) -> list[int]:
+        return [0] * len(lens) if self.in_place else _starts(lens)
+
+    def table(self, entries: int, device: torch.device) -> torch.Tensor:
+        rows = [[self.columns.get(name, [0] * entries)[e] for name in ADDR_FIELDS] for e in range(entries)]
+        return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+def _pack_dense(layers, ref, join) -> PackedKV:
     lens = [0 if l is None else l.k.shape[0] for l in layers]
-    return PackedKV(FMT_DENSE, ref.num_kv_heads, ref.head_dim, ref.dtype, _cat(_field(layers, ref, "k")),
-                    _cat(_field(layers, ref, "v")), _starts(lens), lens)
+    return PackedKV(FMT_DENSE, ref.num_kv_heads, ref.head_dim, ref.dtype, join("k", _field(layers, ref, "k")),
+                    join("v", _field(layers, ref, "v")), join.starts(lens), lens)
 
 
-def _add_pages(packed: PackedKV, compressor: KVCompressor, layers, ref) -> None:
+def _add_pages(packed: PackedKV, compressor: KVCompressor, layers, ref, join) -> None:
     assert isinstance(compressor, QuestCompressor), compressor
     pages = [0 if l is None else l.page_min.shape[0] for l in layers]
-    packed.page_min = _cat(_field(layers, ref, "page_min"))
-    packed.page_max = _cat(_field(layers, ref, "page_max"))
-    packed.page_start = _starts(pages)
+    packed.page_min = join("page_min", _field(layers, ref, "page_min"))
+    packed.page_max = join("page_max", _field(layers, ref, "page_max"))
+    packed.page_start = join.starts(pages)
     packed.pages_read = [0 if l is None else compressor.pages_read(l.num_tokens) for l in layers]
     packed.page_size = compressor.options["page_size"]
     packed.page_per_kv_head = compressor.options["heads"] == "kv"
 
 
-def _pack_kivi(compressor, layers, ref: KiviLayer) -> PackedKV:
+def _pack_kivi(compressor, layers, ref: KiviLayer, join) -> PackedKV:
     group = compressor.options["group_size"]
     main = [0 if l is None else l.quantized_len for l in layers]
     recent = [0 if l is None else l.k_recent.shape[0] for l in layers]
-    f = lambda name: _cat(_field(layers, ref, name))  # noqa: E731
-    return PackedKV(FMT_KIVI, ref.num_kv_heads, ref.head_dim, ref.dtype, f("k_codes"), f("v_codes"),
-                    _starts(main), main, f("k_scale"), f("k_zero"), f("v_scale"), f("v_zero"),
-                    f("k_recent"), f("v_recent"), _starts(recent), recent, bits=compressor.bits,
+    names = {"k": "k_codes", "v": "v_codes"}
+    f = lambda name: join(name, _field(layers, ref, names.get(name, name)))  # noqa: E731
+    return PackedKV(FMT_KIVI, ref.num_kv_heads, ref.head_dim, ref.dtype, f("k"), f("v"),
+                    join.starts(main), main, f("k_scale"), f("k_zero"), f("v_scale"), f("v_zero"),
+                    f("k_recent"), f("v_recent"), join.starts(recent), recent, bits=compressor.bits,
                     token_group=group, channel_group=min(group, ref.head_dim))
 
 
-def _pack_scaled(compressor, layers, ref, fmt: int) -> PackedKV:
+def _pack_scaled(compressor, layers, ref, fmt: int, join) -> PackedKV:
     lens = [0 if l is None else l.num_tokens for l in layers]
-    codes = lambda name: _cat(_field(layers, ref, name))  # noqa: E731
-    k, v = codes("k_codes"), codes("v_codes")
-    if fmt == FMT_FP8:
-        k, v = k.view(torch.uint8), v.view(torch.uint8)  # decoded from the bits in registers
     head_scale = fmt == FMT_FP8 and compressor.options["scale"] == "head"
-    if head_scale:  # [H, 1] per entry (unset while empty) -> [E, H]
+    parts = {name: _field(layers, ref, name + "_codes") for name in ("k", "v")}
+    if fmt == FMT_FP8:  # decoded from the bits in registers
+        parts = {name: [p.view(torch.uint8) for p in ps] for name, ps in parts.items()}
+    k, v = join("k", parts["k"]), join("v", parts["v"])
+    if head_scale:  # [H, 1] per entry (unset while empty) -> [E, H], read by entry index (a copy of E x H)
         k_scale = torch.stack([_head_scale(l, ref, "k_scale") for l in layers])
         v_scale = torch.stack([_head_scale(l, ref, "v_scale") for l in layers])
     else:
-        k_scale, v_scale = codes("k_scale"), codes("v_scale")
-    return PackedKV(fmt, ref.num_kv_heads, ref.head_dim, ref.dtype, k, v, _starts(lens), lens,
+        k_scale = join("k_scale", _field(layers, ref, "k_scale"))
+        v_scale = join("v_scale", _field(layers, ref, "v_scale"))
+    return PackedKV(fmt, ref.num_kv_heads, ref.head_dim, ref.dtype, k, v, join.starts(lens), lens,
                     k_scale=k_scale, v_scale=v_scale, head_scale=head_scale)
 
 

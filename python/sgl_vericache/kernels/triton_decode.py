@@ -196,6 +196,40 @@ def _load_main(data_ptr, s_ptr, z_ptr, tok, tok0, entry, h, H, valid,
     return x
 
 
+# columns of the in-place address table (packing.ADDR_FIELDS; ops checks they agree)
+ADDR_COLS = tl.constexpr(10)
+K_COL, V_COL, KS_COL, KZ_COL, VS_COL, VZ_COL, KR_COL, VR_COL, PMIN_COL, PMAX_COL = (tl.constexpr(i) for i in range(10))
+
+
+@triton.jit
+def _addressed(addr_ptr, entry, COL: tl.constexpr, like):
+    """Entry ``entry``'s tensor of address-table column COL, as a pointer of ``like``'s type,
+    16-byte aligned (packing checks every address is, as Triton assumes of its pointer
+    arguments; without it no load of the entry would be vectorized)."""
+    return tl.multiple_of(tl.load(addr_ptr + entry.to(tl.int64) * ADDR_COLS + COL).to(like.dtype, bitcast=True), 16)
+
+
+@triton.jit
+def _entry_tensors(addr_ptr, entry, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr,
+                   FMT: tl.constexpr, HEAD_SCALE: tl.constexpr):
+    """An entry read in place (packing.pack(in_place=True)): its own tensors' addresses, each
+    row 0 of the entry (the row table's starts are all 0). fp8's per-head scales stay the
+    [E, H] tensor read by entry index."""
+    k_ptr = _addressed(addr_ptr, entry, K_COL, k_ptr)
+    v_ptr = _addressed(addr_ptr, entry, V_COL, v_ptr)
+    if FMT == 1:
+        ks_ptr = _addressed(addr_ptr, entry, KS_COL, ks_ptr)
+        kz_ptr = _addressed(addr_ptr, entry, KZ_COL, kz_ptr)
+        vs_ptr = _addressed(addr_ptr, entry, VS_COL, vs_ptr)
+        vz_ptr = _addressed(addr_ptr, entry, VZ_COL, vz_ptr)
+        kr_ptr = _addressed(addr_ptr, entry, KR_COL, kr_ptr)
+        vr_ptr = _addressed(addr_ptr, entry, VR_COL, vr_ptr)
+    elif FMT != 0 and not HEAD_SCALE:
+        ks_ptr = _addressed(addr_ptr, entry, KS_COL, ks_ptr)
+        vs_ptr = _addressed(addr_ptr, entry, VS_COL, vs_ptr)
+    return k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr
+
+
 @triton.jit
 def _entry_base(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, first, H, FMT: tl.constexpr, BITS: tl.constexpr,
                 QGROUP: tl.constexpr, CGROUP: tl.constexpr, HEAD_SCALE: tl.constexpr, D: tl.constexpr):
@@ -271,6 +305,7 @@ def _decode_split_kernel(
     kr_ptr, vr_ptr,  # KIVI's recent window [Nr, H, D]
     ke_ptr, ve_ptr,  # extras [X, E_cap, H, D]
     idx_ptr,  # INDEXED: main token t of a row lives at pool row idx[main_start + t]
+    addr_ptr,  # ADDR: [E, ADDR_COLS] int64, each entry's tensors where they lie (the starts are 0)
     m_ptr, l_ptr, acc_ptr,  # partials [R, HQ, NUM_SPLITS] (x D for acc)
     out_ptr, lse_ptr, tick_ptr,  # FUSED: the output [R, HQ, D], its lse [R, HQ], a ticket per (row, KV head)
     qk_scale, H, HQ, E_CAP, EXT_ADD, NUM_SPLITS,
@@ -281,6 +316,7 @@ def _decode_split_kernel(
     MROUND: tl.constexpr, MDOT: tl.constexpr,  # the main segment's ROUND / DOT: fp16 (1, 1) with HALF
     FUSED: tl.constexpr = False, HAS_LSE: tl.constexpr = False, SP: tl.constexpr = 2,  # SP: splits, pow2 >= 2
     OFF32: tl.constexpr = False,  # main-segment offsets in int32 from the entry's first row (not INDEXED)
+    ADDR: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -306,8 +342,11 @@ def _decode_split_kernel(
     per_split = tl.cdiv(tl.cdiv(main_len, NUM_SPLITS), BN) * BN
     lo = split * per_split
     hi = tl.minimum(main_len, lo + per_split)
-    tl.static_assert(not (OFF32 and INDEXED), "a pool read through a token table keeps int64 rows")
-    if OFF32:  # the main segment's pointers at the entry's first row: offsets within it in int32
+    tl.static_assert(not ((OFF32 or ADDR) and INDEXED), "a pool read through a token table keeps int64 rows")
+    if ADDR:
+        k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr = _entry_tensors(
+            addr_ptr, entry, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, FMT, HEAD_SCALE)
+    elif OFF32:  # the main segment's pointers at the entry's first row: offsets within it in int32
         k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr = _entry_base(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
                                                                    main_start, H, FMT, BITS, QGROUP, CGROUP,
                                                                    HEAD_SCALE, D)

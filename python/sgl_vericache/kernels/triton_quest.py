@@ -17,12 +17,14 @@ import triton
 import triton.language as tl
 
 from .codes import _load_dense
-from .triton_decode import _dense_segment, _dot_in, _finish_rows, _mm, _round_to, _softmax_step
+from .triton_decode import (K_COL, PMAX_COL, PMIN_COL, V_COL, _addressed, _dense_segment, _dot_in, _finish_rows, _mm,
+                            _round_to, _softmax_step)
 
 
 @triton.jit
-def _page_scores_kernel(q_ptr, meta_ptr, pmin_ptr, pmax_ptr, out_ptr, H, HQ, HC, P_MAX, PAGE_SIZE,
-                        GROUP: tl.constexpr, PER_KV: tl.constexpr, D: tl.constexpr, BP: tl.constexpr):
+def _page_scores_kernel(q_ptr, meta_ptr, pmin_ptr, pmax_ptr, addr_ptr, out_ptr, H, HQ, HC, P_MAX, PAGE_SIZE,
+                        GROUP: tl.constexpr, PER_KV: tl.constexpr, D: tl.constexpr, BP: tl.constexpr,
+                        ADDR: tl.constexpr = False):
     """out[r, c, p] for p < the row's pages (the rest is left as the caller filled it, -inf):
     sum_d max(q_d * min_d, q_d * max_d) over page p for query head c, or with PER_KV the
     largest of those bounds among KV head c's query heads."""
@@ -32,6 +34,10 @@ def _page_scores_kernel(q_ptr, meta_ptr, pmin_ptr, pmax_ptr, out_ptr, H, HQ, HC,
     meta = meta_ptr + r * 9
     num_pages = tl.cdiv(tl.load(meta + 1), PAGE_SIZE)
     page_start = tl.load(meta + 7).to(tl.int64)
+    if ADDR:  # the entry's page bounds where they lie (page_start is 0)
+        entry = tl.load(meta + 6)
+        pmin_ptr = _addressed(addr_ptr, entry, PMIN_COL, pmin_ptr)
+        pmax_ptr = _addressed(addr_ptr, entry, PMAX_COL, pmax_ptr)
     h = c if PER_KV else c // GROUP
     d = tl.arange(0, D)
     p = blk * BP + tl.arange(0, BP)
@@ -49,16 +55,16 @@ def _page_scores_kernel(q_ptr, meta_ptr, pmin_ptr, pmax_ptr, out_ptr, H, HQ, HC,
 
 @triton.jit
 def _quest_group_kernel(
-    q_ptr, meta_ptr, k_ptr, v_ptr, sel_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, tick_ptr,
-    qk_scale, H, HQ, E_CAP, EXT_ADD, K_SEL, NUM_SPLITS,
+    q_ptr, meta_ptr, k_ptr, v_ptr, sel_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr, addr_ptr, out_ptr, lse_ptr,
+    tick_ptr, qk_scale, H, HQ, E_CAP, EXT_ADD, K_SEL, NUM_SPLITS,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr,
     ROUND: tl.constexpr, DOT: tl.constexpr, FUSED: tl.constexpr = False, HAS_LSE: tl.constexpr = False,
-    SP: tl.constexpr = 2, OFF32: tl.constexpr = False,
+    SP: tl.constexpr = 2, OFF32: tl.constexpr = False, ADDR: tl.constexpr = False,
 ):
     """Per-KV-head choice: one program reads one row's KV head h (its GQA group's queries
     together) over a slice of the pages the page table chose for (row, h), then, in the
-    last split, the row's provisional tokens (FUSED: see triton_decode._finish_rows; OFF32:
-    see triton_decode._entry_base)."""
+    last split, the row's provisional tokens (FUSED, OFF32, ADDR: see triton_decode's
+    _finish_rows, _entry_base, _entry_tensors)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,7 +80,10 @@ def _quest_group_kernel(
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
 
-    if OFF32:  # K / V at the entry's first row: offsets within it in int32 (as triton_decode._entry_base)
+    if ADDR:  # the entry's K / V where they lie (main_start is 0)
+        k_ptr = _addressed(addr_ptr, tl.load(meta + 6), K_COL, k_ptr)
+        v_ptr = _addressed(addr_ptr, tl.load(meta + 6), V_COL, v_ptr)
+    elif OFF32:  # K / V at the entry's first row: offsets within it in int32 (as triton_decode._entry_base)
         k_ptr += main_start * (H * D)
         v_ptr += main_start * (H * D)
     table = sel_ptr + (r.to(tl.int64) * H + h) * K_SEL
@@ -117,9 +126,9 @@ def _fold_rows(q, m_i, l_i, acc, k_ptr, v_ptr, tok, h, H, valid, qk_scale,
 
 @triton.jit
 def _quest_split_kernel(
-    q_ptr, meta_ptr, k_ptr, v_ptr, sel_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, meta_ptr, k_ptr, v_ptr, sel_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr, addr_ptr,
     qk_scale, H, HQ, E_CAP, EXT_ADD, K_SEL, PAGE_SIZE, NUM_SPLITS,
-    GROUP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, ROUND: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, ROUND: tl.constexpr, ADDR: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     hq = tl.program_id(1)
@@ -128,6 +137,9 @@ def _quest_split_kernel(
     main_start = tl.load(meta + 0).to(tl.int64)
     num_tokens = tl.load(meta + 1)
     pages_read = tl.load(meta + 8)
+    if ADDR:  # the entry's K / V where they lie (main_start is 0)
+        k_ptr = _addressed(addr_ptr, tl.load(meta + 6), K_COL, k_ptr)
+        v_ptr = _addressed(addr_ptr, tl.load(meta + 6), V_COL, v_ptr)
     h = hq // GROUP
     rh = r.to(tl.int64) * HQ + hq
     d = tl.arange(0, D)
