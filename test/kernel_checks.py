@@ -5,6 +5,7 @@ so the bare GPU machine runs it too):
     python test/kernel_checks.py --device cuda                        # compiled, on a GPU
     python test/kernel_checks.py --device cpu --only kivi4 quest      # cases whose name has a word
     python test/kernel_checks.py --device cpu --family quantizers     # one family (see FAMILIES)
+    python test/kernel_checks.py --device cuda --jobs 8               # compiles in 8 processes
 
 The twin of each kernel is the compressor's own ``attend`` (fp32 attention over
 ``materialize``, per request, with the causal provisional KV); test_kernels.py runs this
@@ -488,7 +489,13 @@ def all_cases() -> list[Case]:
     return cases
 
 
-def run(device: str, only: list[str] | None = None, family: str | None = None) -> int:
+def _selected(cases: list[Case], only: list[str] | None, family: str | None) -> list[Case]:
+    return [c for c in cases if (not only or any(w in c.name or w in c.tags for w in only))
+            and (not family or c.family == family)]
+
+
+def run(device: str, only: list[str] | None = None, family: str | None = None, shard: tuple[int, int] = (0, 1)) -> int:
+    """Every selected case (of shard k of n: every n-th from the k-th), one line each."""
     dev = torch.device(device)
     interpreted = ops.interpreting()
     failures = passed = 0
@@ -496,12 +503,8 @@ def run(device: str, only: list[str] | None = None, family: str | None = None) -
     cases = all_cases()
     if not interpreted:  # compiled, most of the time is Triton compiles: what the drafter runs first
         cases.sort(key=lambda c: ("large", "store", "layouts", "quantizers", "droppers").index(c.family))
-    for case in cases:
+    for case in _selected(cases, only, family)[shard[0] :: shard[1]]:
         assert case.family in FAMILIES, case
-        if only and not any(w in case.name or w in case.tags for w in only):
-            continue
-        if family and case.family != family:
-            continue
         if interpreted and not case.interpret:
             print(f"SKIP  {case.name} (too large for the interpreter)")
             continue
@@ -523,10 +526,56 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", nargs="*", help="run the cases whose name or tag contains one of these words")
     ap.add_argument("--family", choices=FAMILIES, help="run one family of cases")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="split the cases over this many processes (compiled, most of the time is Triton's "
+                         "single-threaded compiles: the GPU machine's 16 cores take 8)")
+    ap.add_argument("--shard", help=argparse.SUPPRESS)  # "k/n": what one of --jobs n runs
+    ap.add_argument("--list", action="store_true", help="print the selected cases' names, run nothing")
     args = ap.parse_args()
+    if args.list:
+        for case in _selected(all_cases(), args.only, args.family):
+            print(f"{case.family:10s} {case.name}")
+        return
     if args.device == "cpu" and not ops.interpreting():
         ap.error("on CPU the kernels run under Triton's interpreter: set TRITON_INTERPRET=1")
-    sys.exit(run(args.device, args.only, args.family))
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs > 1:
+        sys.exit(run_sharded(args.jobs, sys.argv[1:]))
+    shard = tuple(int(x) for x in args.shard.split("/")) if args.shard else (0, 1)
+    sys.exit(run(args.device, args.only, args.family, shard))
+
+
+def run_sharded(jobs: int, argv: list[str]) -> int:
+    """This script in ``jobs`` processes at once, each every jobs-th case; their lines are
+    printed as each process ends, then one summary. A process that dies counts as a failure."""
+    import re
+    import subprocess
+
+    rest, skip = [], False
+    for arg in argv:  # this call's arguments without --jobs
+        if skip:
+            skip = False
+        elif arg == "--jobs":
+            skip = True
+        elif not arg.startswith("--jobs="):
+            rest.append(arg)
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, *rest, "--shard", f"{k}/{jobs}"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for k in range(jobs)]
+    passed = failed = 0
+    for k, proc in enumerate(procs):
+        out, _ = proc.communicate()
+        lines = out.rstrip("\n").splitlines()
+        summary = re.match(r"(\d+) passed, (\d+) failed", lines[-1]) if lines else None
+        print("\n".join(lines[:-1] if summary else lines), flush=True)
+        if summary and proc.returncode in (0, 1):
+            passed, failed = passed + int(summary.group(1)), failed + int(summary.group(2))
+        else:
+            failed += 1
+            print(f"FAIL  shard {k}/{jobs}: exit status {proc.returncode}, no summary", flush=True)
+    print(f"{passed} passed, {failed} failed, {time.perf_counter() - start:.1f} s, {jobs} processes")
+    return 1 if failed or not passed else 0
 
 
 if __name__ == "__main__":

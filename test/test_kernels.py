@@ -42,6 +42,17 @@ def test_kernels_match_torch_twins_in_the_interpreter(family):
     assert " 0 failed" in out and "interpreter" in out, out[-3000:]
 
 
+def test_checks_split_over_processes_run_every_case_once():
+    """--jobs n (what gpu_check.sh uses: Triton compiles are single-threaded) runs each
+    selected case in exactly one of n processes and sums their counts."""
+    listed = _run_checks(["--device", "cpu", "--family", "layouts", "--list"], interpret=True).splitlines()
+    names = sorted(line.split(None, 1)[1] for line in listed if line.strip())
+    out = _run_checks(["--device", "cpu", "--family", "layouts", "--jobs", "3"], interpret=True)
+    ran = sorted(line[6:].rsplit(": max abs error", 1)[0] for line in out.splitlines() if line.startswith("ok    "))
+    assert len(names) >= 5 and ran == names, out[-3000:]
+    assert out.rstrip().splitlines()[-1].startswith(f"{len(names)} passed, 0 failed"), out[-1000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", INTERPRETED_FAMILIES + ["large"])
 def test_kernels_match_torch_twins_on_cuda(family):
