@@ -128,7 +128,17 @@ class PackedKV:
         table = [[self.main_start[e], self.main_len[e], rec_start[e], rec_len[e], ext_row[r], ext_base[r], e,
                   page_start[e], pages_read[e]] for r, e in enumerate(row_entry)]
         meta = torch.tensor(table, dtype=torch.int32).reshape(len(table), META_COLS)
-        return RowTable(meta.to(self.device), tuple(row_entry))
+        return RowTable(upload(meta, self.device), tuple(row_entry))
+
+
+def upload(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host table on ``device`` without blocking the host: on CUDA through pinned
+    memory, asynchronously (a pageable copy would wait for every kernel queued before it,
+    and the drafter packs a layer while the previous layer's kernels run; torch keeps the
+    pinned block until the copy is done)."""
+    if torch.device(device).type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def supports(layer: Optional[CompressedLayer]) -> bool:
@@ -226,7 +236,7 @@ class _Join:
 
     def table(self, entries: int, device: torch.device) -> torch.Tensor:
         rows = [[self.columns.get(name, [0] * entries)[e] for name in ADDR_FIELDS] for e in range(entries)]
-        return torch.tensor(rows, dtype=torch.int64).to(device)
+        return upload(torch.tensor(rows, dtype=torch.int64), device)
 
 
 def _pack_dense(layers, ref, join) -> PackedKV:
