@@ -276,6 +276,27 @@ def test_entries_are_addressed_in_int32_only_where_their_offsets_fit():
     assert not ops.offsets32(on, SimpleNamespace(num_kv_heads=8, head_dim=128, indices=torch.zeros(1)), 1024, 32)
 
 
+def test_arguments_that_vary_within_a_round_compile_once():
+    """Triton specializes an int argument equal to 1 and multiples of 16: a draft step's
+    EXT_ADD (1, 2, ... through a round), the round's E_CAP, the split count, Quest's K_SEL and
+    P_MAX would each compile a kernel apart. The kernels opt out, so one launch variant is one
+    compile however a round goes."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    from sgl_vericache.kernels import triton_decode as td
+    from sgl_vericache.kernels import triton_quest as tq
+
+    kernels = (td._decode_split_kernel, td._combine_kernel, tq._page_scores_kernel, tq._quest_group_kernel,
+               tq._quest_split_kernel)
+    for kernel in kernels:
+        varying = [p for p in kernel.params if p.name in td.ROUND_VARYING]
+        assert varying, kernel.fn.__name__
+        for p in varying:
+            keys = {native_specialize_impl(BaseBackend, v, False, not p.do_not_specialize, True) for v in range(1, 65)}
+            assert len(keys) == 1, (kernel.fn.__name__, p.name, keys)
+
+
 def test_unset_launch_sizes_come_from_the_measured_table():
     from sgl_vericache.kernels import ops
     from sgl_vericache.kernels.packing import FMT_INT8, FMT_KIVI

@@ -298,7 +298,13 @@ def _main_block(qm, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
     return m_i, l_i, acc
 
 
-@triton.jit
+# Arguments that change from one draft step or batch to the next are not specialized on: Triton
+# would compile a kernel apart for a value of 1 and for multiples of 16 (EXT_ADD runs 1, 2, ...
+# through a round), stalling the first rounds of a server with compiles
+ROUND_VARYING = ("E_CAP", "EXT_ADD", "NUM_SPLITS", "K_SEL", "P_MAX")
+
+
+@triton.jit(do_not_specialize=["E_CAP", "EXT_ADD", "NUM_SPLITS"])
 def _decode_split_kernel(
     q_ptr, meta_ptr,
     k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,  # main segment: data and its scales / zeros
@@ -404,7 +410,7 @@ def _finish_rows(m_i, l_i, acc, q_row0, split, m_ptr, l_ptr, acc_ptr, out_ptr, l
             tl.atomic_xchg(tick_ptr, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, NUM_SPLITS,
                     SP: tl.constexpr, D: tl.constexpr, HAS_LSE: tl.constexpr):
     """Merge one (row, query head)'s split states (see _merge_splits)."""

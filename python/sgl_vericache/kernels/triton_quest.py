@@ -21,7 +21,7 @@ from .triton_decode import (K_COL, PMAX_COL, PMIN_COL, V_COL, _addressed, _dense
                             _round_to, _softmax_step)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P_MAX"])  # see triton_decode.ROUND_VARYING
 def _page_scores_kernel(q_ptr, meta_ptr, pmin_ptr, pmax_ptr, addr_ptr, out_ptr, H, HQ, HC, P_MAX, PAGE_SIZE,
                         GROUP: tl.constexpr, PER_KV: tl.constexpr, D: tl.constexpr, BP: tl.constexpr,
                         ADDR: tl.constexpr = False):
@@ -53,7 +53,7 @@ def _page_scores_kernel(q_ptr, meta_ptr, pmin_ptr, pmax_ptr, addr_ptr, out_ptr, 
     tl.store(out_ptr + (r.to(tl.int64) * HC + c) * P_MAX + p, bound, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["E_CAP", "EXT_ADD", "K_SEL", "NUM_SPLITS"])  # see triton_decode.ROUND_VARYING
 def _quest_group_kernel(
     q_ptr, meta_ptr, k_ptr, v_ptr, sel_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr, addr_ptr, out_ptr, lse_ptr,
     tick_ptr, qk_scale, H, HQ, E_CAP, EXT_ADD, K_SEL, NUM_SPLITS,
@@ -124,7 +124,7 @@ def _fold_rows(q, m_i, l_i, acc, k_ptr, v_ptr, tok, h, H, valid, qk_scale,
     return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["E_CAP", "EXT_ADD", "K_SEL", "NUM_SPLITS"])  # see triton_decode.ROUND_VARYING
 def _quest_split_kernel(
     q_ptr, meta_ptr, k_ptr, v_ptr, sel_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr, addr_ptr,
     qk_scale, H, HQ, E_CAP, EXT_ADD, K_SEL, PAGE_SIZE, NUM_SPLITS,
