@@ -149,10 +149,10 @@ def test_flashinfer_backend_composes_entries_and_drafts_like_the_torch_path():
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_entries_are_packed_in_place_through_their_addresses_unless_misaligned():
+def test_entries_are_packed_in_place_through_their_addresses_unless_unreadable():
     """pack(in_place=True): no copy, each entry's tensors' addresses in the table, starts 0;
-    an entry whose tensor is not 16-byte aligned (what the kernels assume) is copied end to
-    end instead, as pack's default does."""
+    an entry whose tensor is not 16-byte aligned (what the kernels assume), or whose layout
+    differs from the others', is copied end to end instead, as pack's default does."""
     from sgl_vericache.kernels.packing import ADDR_FIELDS, pack
     from sgl_vericache.mem_cache.compress import get_compressor
 
@@ -177,6 +177,9 @@ def test_entries_are_packed_in_place_through_their_addresses_unless_misaligned()
     fallback = pack(comp, layers, in_place=True)
     assert fallback.addresses is None and fallback.main_start == [0, 9]
     assert torch.equal(fallback.k, torch.cat([layer.k_codes for layer in layers]))
+    # entries whose scales differ in dtype cannot be read as one layout either
+    mixed = [layers[0], dataclasses.replace(layers[0], k_scale=layers[0].k_scale.float())]
+    assert pack(comp, mixed, in_place=True).addresses is None
 
 
 def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):

@@ -158,7 +158,7 @@ def pack(compressor: KVCompressor, layers: Sequence[Optional[CompressedLayer]], 
     ref = present[0]
     join = _Join(in_place and len(layers) > 1)
     packed = _pack(compressor, layers, kind, ref, join)
-    if join.in_place and not join.aligned():  # the kernels assume 16-byte aligned entries: copy instead
+    if join.in_place and not join.readable():  # misaligned, or entries that differ in layout: copy instead
         join = _Join(False)
         packed = _pack(compressor, layers, kind, ref, join)
     if join.in_place:
@@ -217,6 +217,7 @@ class _Join:
         self.in_place = in_place
         self.columns: dict[str, list[int]] = {}
         self.sources: list[torch.Tensor] = []
+        self.uniform = True  # every entry's tensor of a field has one dtype and row shape
 
     def __call__(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         if not self.in_place:
@@ -225,11 +226,14 @@ class _Join:
         self.columns[name] = [p.data_ptr() for p in parts]
         present = [p for p in parts if p.numel()]
         self.sources += present
+        self.uniform &= all(p.dtype == parts[0].dtype and p.shape[1:] == parts[0].shape[1:] for p in parts)
         return present[0] if present else _cat(parts[:1])
 
-    def aligned(self) -> bool:
-        """Every entry's tensors start on 16 bytes (what the kernels assume of an address)."""
-        return all(addr % 16 == 0 for column in self.columns.values() for addr in column)
+    def readable(self) -> bool:
+        """The kernels can read the entries where they lie: every tensor starts on 16 bytes
+        (what they assume of an address) and has its field's dtype and row shape (they read
+        every entry as the one whose tensor they were given)."""
+        return self.uniform and all(addr % 16 == 0 for column in self.columns.values() for addr in column)
 
     def starts(self, lens: Sequence[int]) -> list[int]:
         return [0] * len(lens) if self.in_place else _starts(lens)
