@@ -355,27 +355,21 @@ def _launch_variants() -> list[Case]:
         ("kivi4", KIVI, Shape((37, 70, 5)), 2),
         ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
     )]
-    # several entries copied end to end (pack's default; the drafter reads them in place):
-    # every format, Quest both ways, int32 offsets from each entry's start and int64 ones
-    for wide in (False, True):
-        cases += [_method_case(*row, in_place=False, **({"int32_offsets": False} if wide else {})) for row in (
-            ("kivi4", KIVI, Shape((37, 70, 5), dtype=b16), 2),
-            ("kivi2", {"group_size": 16, "residual_length": 0}, Shape((48, 96), group=8, kv_heads=1), 4),
-            ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
-            ("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1),
-            ("h2o", {"min_budget": 8}, Shape((77, 30), dtype=b16), 2),
-            ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
-            ("quest", {"page_size": 8, "heads": "query"}, Shape((83, 30, 9)), 2),
-        )]
-    # in place with int64 offsets (LaunchConfig.int32_offsets=False)
-    cases += [_method_case(*row, int32_offsets=False) for row in (
+    # how several entries are addressed: copied end to end (pack's default; the drafter reads
+    # them in place), with int32 offsets from each entry's start and with int64 ones (also in
+    # place): every format and Quest both ways
+    addressing = [
         ("kivi4", KIVI, Shape((37, 70, 5), dtype=b16), 2),
         ("kivi2", {"group_size": 16, "residual_length": 0}, Shape((48, 96), group=8, kv_heads=1), 4),
         ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
         ("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1),
         ("h2o", {"min_budget": 8}, Shape((77, 30), dtype=b16), 2),
         ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
-    )]
+        ("quest", {"page_size": 8, "heads": "query"}, Shape((83, 30, 9)), 2),
+    ]
+    cases += [_method_case(*row, in_place=False) for row in addressing]
+    cases += [_method_case(*row, in_place=False, int32_offsets=False) for row in addressing]
+    cases += [_method_case(*row, int32_offsets=False) for row in addressing[:-1]]  # per query head: int64 anyway
     half_kivi = [
         ("kivi2", {"group_size": 32, "residual_length": 16}, Shape((100, 49), head_dim=128, dtype=b16), 1),
         ("kivi4", KIVI, Shape((37, 70, 5), dtype=f16), 2),
