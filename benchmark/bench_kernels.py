@@ -67,9 +67,9 @@ TUNE_CONFIGS = [(32, 2, 3), (64, 4, 3), (32, 4, 2), (128, 4, 2), (64, 2, 3)]
 # Each method's default launch first, then what a GPU has yet to time against it (int8 / fp8
 # codes read as words, asm=2: 8% slower at e399a85 but now, offline, int8 613 instructions a
 # loop and 128 registers against the default's 695 and 160, fp8 377 against 472; the fused
-# split merge; the int64
-# addressing that int32 offsets within an entry replaced), then the slower alternatives
-# measured before: at gpu_check.sh's budget a method gets 2-4 trials (compiles dominate)
+# split merge; the int64 addressing that int32 offsets within an entry replaced), then the
+# slower alternatives measured before: at gpu_check.sh's budget a method gets 2-4 trials
+# (compiles dominate)
 _WIDE = {"int32_offsets": False}
 TUNE_VARIANTS = {m: [{"half": True}, {"half": True, "fused": True}, {"half": True, **_WIDE},
                      {"half": True, "asm": 0}, {"half": False}] for m in ("kivi4", "kivi2")}
