@@ -58,8 +58,8 @@ METHODS = {"kivi4": {"group_size": 32, "residual_length": 128}, "kivi2": {"group
            "quest_query": {"heads": "query"}}  # Quest's default heads="kv", and the paper's per-query-head choice
 # the launch search, per head shape at 32k x 8: (block_n, num_warps, num_stages) x the
 # method's variants (quantizers: half products or fp32 dequantization, and how the codes are
-# decoded), interleaved so a short budget still tries every variant, then the best at 1 and 4
-# waves of programs instead of 2. The droppers are searched too (their 70B/TP8 launch is small
+# decoded), in trial_order's order (one change from the default at a time first), then the
+# best at 1 and 4 waves of programs instead of 2. The droppers are searched too (their 70B/TP8 launch is small
 # and split-bound); Quest keeps ops.MEASURED_LAUNCH. (Not searched any more: KIVI's gather
 # unpacking, unpack=1, 10-20x slower; int8 / fp8 unfolded, fold=False, 0.7x of folded at
 # edf012c.)
@@ -285,10 +285,9 @@ def tune(timer, device, gen, context, batch, shape_name, deadline, configs=None)
             timed.append((ms, cfg))
             log.append({"shape": shape_name, "method": method, **_launch(cfg), "ms": ms})
 
-        for block_n, warps, stages in configs or TUNE_CONFIGS:
-            for variant in TUNE_VARIANTS[method]:
-                if time.monotonic() < until or not timed:
-                    trial(ops.LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, **variant))
+        for (block_n, warps, stages), variant in trial_order(configs or TUNE_CONFIGS, TUNE_VARIANTS[method]):
+            if time.monotonic() < until or not timed:
+                trial(ops.LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, **variant))
         if timed:
             top = min(timed, key=lambda t: t[0])[1]
             for waves in (1, 4):
@@ -297,6 +296,18 @@ def tune(timer, device, gen, context, batch, shape_name, deadline, configs=None)
             best[method] = min(timed, key=lambda t: t[0])[1]
         del packed
     return best, log
+
+
+def trial_order(sizes: list, variants: list) -> list:
+    """The search's trials, most informative first for a budget that allows a few: the
+    default (first sizes, first variant), then, alternately, one other variant at the first
+    sizes and the first variant at other sizes (each one change from the default), then the
+    remaining combinations."""
+    order = [(sizes[0], variants[0])]
+    for k in range(1, max(len(sizes), len(variants))):
+        order += [(sizes[0], variants[k])] if k < len(variants) else []
+        order += [(sizes[k], variants[0])] if k < len(sizes) else []
+    return order + [(c, v) for c in sizes for v in variants if (c, v) not in order]
 
 
 def _launch(cfg: ops.LaunchConfig) -> dict:  # unset sizes are ops.MEASURED_LAUNCH's for the method

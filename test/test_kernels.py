@@ -213,6 +213,18 @@ def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
         assert r["entry_bytes"] > 0 and 0 < r["copy_share_of_round"] < 1 and 0 < r["in_place_share_of_round"] < 1
 
 
+def test_the_launch_search_tries_one_change_from_the_default_first():
+    """bench_kernels' search gets a few trials a method on a GPU: after the default, each trial
+    changes one thing (a variant, or the sizes), and every combination comes once."""
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    from bench_kernels import trial_order
+
+    sizes, variants = ["s0", "s1", "s2"], ["v0", "v1", "v2", "v3"]
+    order = trial_order(sizes, variants)
+    assert order[:6] == [("s0", "v0"), ("s0", "v1"), ("s1", "v0"), ("s0", "v2"), ("s2", "v0"), ("s0", "v3")]
+    assert sorted(order) == sorted((s, v) for s in sizes for v in variants)
+
+
 def test_default_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """The interpreter accepts code the compiler refuses (and the other way round), so every
     kernel the drafter launches by default on a GPU is compiled for an H100 / H200 here, by
