@@ -81,8 +81,9 @@ def _quest_group_kernel(
     acc = tl.zeros([GP, D], tl.float32)
 
     if ADDR:  # the entry's K / V where they lie (main_start is 0)
-        k_ptr = _addressed(addr_ptr, tl.load(meta + 6), K_COL, k_ptr)
-        v_ptr = _addressed(addr_ptr, tl.load(meta + 6), V_COL, v_ptr)
+        entry = tl.load(meta + 6)
+        k_ptr = _addressed(addr_ptr, entry, K_COL, k_ptr)
+        v_ptr = _addressed(addr_ptr, entry, V_COL, v_ptr)
     elif OFF32:  # K / V at the entry's first row: offsets within it in int32 (as triton_decode._entry_base)
         k_ptr += main_start * (H * D)
         v_ptr += main_start * (H * D)
@@ -138,8 +139,9 @@ def _quest_split_kernel(
     num_tokens = tl.load(meta + 1)
     pages_read = tl.load(meta + 8)
     if ADDR:  # the entry's K / V where they lie (main_start is 0)
-        k_ptr = _addressed(addr_ptr, tl.load(meta + 6), K_COL, k_ptr)
-        v_ptr = _addressed(addr_ptr, tl.load(meta + 6), V_COL, v_ptr)
+        entry = tl.load(meta + 6)
+        k_ptr = _addressed(addr_ptr, entry, K_COL, k_ptr)
+        v_ptr = _addressed(addr_ptr, entry, V_COL, v_ptr)
     h = hq // GROUP
     rh = r.to(tl.int64) * HQ + hq
     d = tl.arange(0, D)
