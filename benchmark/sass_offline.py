@@ -3,7 +3,7 @@
     .venv/bin/python benchmark/sass_offline.py                       # every variant, sm_90
     .venv/bin/python benchmark/sass_offline.py --only int8_half --dump /tmp/sass
     .venv/bin/python benchmark/sass_offline.py --only quest_kv quest_query page_scores_kv
-    .venv/bin/python benchmark/sass_offline.py --only int8_half_asm int8_half_asm_off64
+    .venv/bin/python benchmark/sass_offline.py --only int8_half_asm int8_half_asm_off64 int8_half_asm_q8
 
 Triton's NVIDIA backend and the ptxas / cuobjdump it ships run on any x86 machine, so the
 compiled code of each launch variant (format x half products x inline PTX, at the launch
@@ -85,13 +85,14 @@ QUEST_VARIANTS = {
 }
 # what test_kernels.py compiles: each format's default launch on a GPU (half products, inline PTX),
 # for a lone entry and, _addr, for several read in place (and the fused split merge, LaunchConfig.fused,
-# on the dense kernel)
+# on the dense kernel; int8 keys against the query's int8 terms, LaunchConfig.int8_query)
 DEFAULTS = ["dense", "dense_fused", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm",
             *QUEST_VARIANTS]
-DEFAULTS += [f"{name}_addr" for name in DEFAULTS if name != "dense_fused"]
-# name suffixes: _fused (LaunchConfig.fused), then _addr (several entries read in place through
-# their address table, packing.pack(in_place=True)) or _off64 (int64 offsets within an entry)
-SUFFIXES = ("_fused", "_addr", "_off64")
+DEFAULTS += [f"{name}_addr" for name in DEFAULTS if name != "dense_fused"] + ["int8_half_asm_q8"]
+# name suffixes: _q8 (int8 only: LaunchConfig.int8_query), _fused (LaunchConfig.fused), then
+# _addr (several entries read in place through their address table, packing.pack(in_place=True))
+# or _off64 (int64 offsets within an entry)
+SUFFIXES = ("_q8", "_fused", "_addr", "_off64")
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, warps: int, stages: int, arch: int = 90):
@@ -117,11 +118,11 @@ def compile_any(name: str, arch: int = 90):
         return compile_kernel(fn, types, constexprs, warps, stages, arch), warps, bn
     _, _, _, _, bn, warps, _ = VARIANTS[base]
     return compile_variant(base, arch=arch, fused="_fused" in flags, off32="_off64" not in flags,
-                           addr="_addr" in flags), warps, bn
+                           addr="_addr" in flags, int8_query="_q8" in flags), warps, bn
 
 
 def split_name(name: str) -> tuple[str, set]:
-    """'int8_half_asm_fused_addr' -> ('int8_half_asm', {'_fused', '_addr'})."""
+    """'int8_half_asm_q8_fused_addr' -> ('int8_half_asm', {'_q8', '_fused', '_addr'})."""
     flags = set()
     for suffix in reversed(SUFFIXES):
         if name.endswith(suffix):
@@ -131,16 +132,17 @@ def split_name(name: str) -> tuple[str, set]:
 
 
 def compile_variant(name: str, group: int = 4, head_dim: int = 128, arch: int = 90, fused: bool = False,
-                    off32: bool = True, addr: bool = False):
+                    off32: bool = True, addr: bool = False, int8_query: bool = False):
     """One launch variant of the decode kernel; off32: offsets within an entry in int32, as
     the drafter launches it (ops.offsets32), else the int64 addressing it replaces; addr:
-    entries read in place through their address table."""
+    entries read in place through their address table; int8_query (int8): the keys' scores
+    from the query's int8 terms."""
     fmt, bits, half, asm, bn, warps, stages = VARIANTS[name]
     constexprs = dict(GROUP=group, GP=16, D=head_dim, BN=bn, FMT=fmt, BITS=bits, QGROUP=32, CGROUP=32,
                       KMODE=1 if bn <= 32 else 2, HEAD_SCALE=False, INDEXED=False, ROUND=2, DOT=2,
                       FOLD=fmt in (FMT_INT8, FMT_FP8), UNPACK=0, HALF=half, Q_BF16=True, ASM=asm,
                       MROUND=1 if half else 2, MDOT=1 if half else 2, FUSED=fused, HAS_LSE=False,
-                      SP=16 if fused else 2, OFF32=off32, ADDR=addr)
+                      SP=16 if fused else 2, OFF32=off32, ADDR=addr, QK8=int8_query)
     return compile_kernel(td._decode_split_kernel, signature(fmt), constexprs, warps, stages, arch)
 
 
@@ -187,8 +189,10 @@ def loops(sass: str) -> list[collections.Counter]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    decode = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), "quest_kv", "quest_kv_fused"]
-    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *QUEST_VARIANTS, *(f"{n}_off64" for n in decode),
+    int8 = [n for n in VARIANTS if n.startswith("int8")]
+    decode = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), "quest_kv", "quest_kv_fused"]
+    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), *QUEST_VARIANTS,
+             *(f"{n}_off64" for n in decode),
              *(f"{n}_addr" for n in [*decode, "quest_query", "page_scores_kv", "page_scores_query"])]
     ap.add_argument("--only", nargs="*", choices=every, default=every)
     ap.add_argument("--defaults", action="store_true", help="only each kernel's default launch on a GPU")

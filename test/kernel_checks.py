@@ -117,14 +117,70 @@ def check_method(method: str, options: dict, shape: Shape, config: ops.LaunchCon
     rows = packed.rows(ext_base=ext_base)
     scale = 1 / (math.sqrt(d) * shape.q_gain)
     out = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config)
-    ref = torch.cat([comp.attend(layers[r], q[r : r + 1], scale, k_ext[r, : ext_base[r] + 1],
-                                 v_ext[r, : ext_base[r] + 1]) for r in range(rows_n)])
+    twin = _int8_query_twin if ops.int8_query_applies(config, packed, q_dtype) else comp.attend.__func__
+    ref = torch.cat([twin(comp, layers[r], q[r : r + 1], scale, k_ext[r, : ext_base[r] + 1],
+                          v_ext[r, : ext_base[r] + 1]) for r in range(rows_n)])
     if config.fused:  # the merging programs reset their tickets: a second launch merges the same way
         _check_tickets_reset()
         again = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config)
         assert torch.equal(again, out), f"{method}: a second fused launch differs from the first"
         _check_tickets_reset()
     return _close(out, ref, q_dtype, f"{method} {options} {shape}")
+
+
+def _int8_query_twin(comp, layer, q, scale, k_extra, v_extra) -> torch.Tensor:
+    """What an int8_query launch computes for one query row (q [1, H_q, D]): the entry's
+    keys met by the query's int8 terms (ops.int8_query_terms), the provisional ones by q
+    itself; in float64 over ``materialize``."""
+    k, v, _ = comp.materialize(layer)
+    group = q.shape[1] // k.shape[1]
+    keys = torch.cat([k, k_extra]).double().repeat_interleave(group, 1)
+    values = torch.cat([v, v_extra]).double().repeat_interleave(group, 1)
+    n = k.shape[0]
+    scores = torch.cat([torch.einsum("hd,nhd->hn", ops.int8_query_terms(q[0]).double(), keys[:n]),
+                        torch.einsum("hd,nhd->hn", q[0].double(), keys[n:])], -1) * scale
+    return torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), values)[None].to(q.dtype)
+
+
+def check_int8_query_discriminates(device, head_dim: int = 64) -> float:
+    """The int8_query kernels really use the query's int8 terms for the entry's keys, and q
+    itself for the provisional ones: a query whose terms differ from it by a lot relative to
+    the scores' spread (one channel at 64, every key's copy of it the same, 4.0, so it adds
+    the same to every score; the other channels within two of the terms' steps), so the two
+    twins (query as terms, query as is) differ by 0.5-1, and each launch (int8_query on /
+    off) must match its own twin within 2e-2 (fp32 sums of scores near 4e4: ~7e-3 measured)
+    and miss the other's by 10x that."""
+    g = _gen(31)
+    lengths, hq, kv_heads, d = (40, 23), 4, 2, head_dim
+    comp = get_compressor("int8", 4.0)
+    layers = []
+    for n in lengths:  # channel 0 is every token's largest: code 127 and the same scale for all
+        others = torch.randn(n, kv_heads, d - 1, generator=g).clamp(-3.9, 3.9)
+        k = torch.cat([torch.full((n, kv_heads, 1), 4.0), others], -1)
+        layers.append(comp.compress(k.to(device), torch.randn(n, kv_heads, d, generator=g).to(device)))
+    step = 64.0 / 127 / 254
+    q = torch.cat([torch.full((len(lengths), hq, 1), 64.0),
+                   (torch.rand(len(lengths), hq, d - 1, generator=g) * 4 - 2) * step], -1).to(device)
+    k_ext = torch.cat([torch.full((len(lengths), 2, kv_heads, 1), 4.0),
+                       torch.randn(len(lengths), 2, kv_heads, d - 1, generator=g)], -1).to(device)
+    v_ext = torch.randn(len(lengths), 2, kv_heads, d, generator=g).to(device)
+    packed = pack(comp, layers, in_place=True)
+    rows = packed.rows(ext_base=[0, 1])
+    scale = 0.3 / step  # the varying part of a score, and the terms' error in it, ~ O(1)
+    worst = 0.0
+    for as_terms in (True, False):
+        config = ops.LaunchConfig(block_n=16, int8_query=as_terms)
+        assert ops.int8_query_applies(config, packed, q.dtype) == as_terms
+        out = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config).double().cpu()
+        twins = {}
+        for name, twin in (("terms", _int8_query_twin), ("exact", comp.attend.__func__)):
+            twins[name] = torch.cat([twin(comp, layers[r], q[r : r + 1], scale, k_ext[r, : r + 1], v_ext[r, : r + 1])
+                                     for r in range(len(lengths))]).double().cpu()
+        own, other = (twins["terms"], twins["exact"]) if as_terms else (twins["exact"], twins["terms"])
+        err, miss = float((out - own).abs().max()), float((out - other).abs().max())
+        assert err <= 2e-2 and miss >= 0.2, f"int8_query={as_terms}: {err:.3g} from its twin, {miss:.3g} from the other"
+        worst = max(worst, err)
+    return worst
 
 
 def _check_tickets_reset() -> None:
@@ -355,6 +411,24 @@ def _launch_variants() -> list[Case]:
         ("kivi4", KIVI, Shape((37, 70, 5)), 2),
         ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
     )]
+    # int8 keys' scores from the query's int8 terms (LaunchConfig.int8_query): half and fp32
+    # entries, GQA 1 / 3 / 8, d 32 / 64 / 128, bf16 queries far outside fp16's range and tiny
+    # ones, the fused merge, copied with int64 offsets; d=16 (the integer MMA is 32 deep) and
+    # fp32 queries over a bf16 entry (not folded) keep the usual products
+    cases += [_method_case(*row, int8_query=True) for row in (
+        ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
+        ("int8", {}, Shape((50, 17), head_dim=32), 1),
+        ("int8", {}, Shape((45, 19, 64), group=1, head_dim=128, dtype=f16), 4),
+        ("int8", {}, Shape((33, 81, 2), dtype=b16, q_gain=3e5), 2),
+        ("int8", {}, Shape((33, 81, 2), dtype=b16, q_gain=1e-6), 1),
+        ("int8", {}, Shape((40, 12), head_dim=16), 1),
+        ("int8", {}, Shape((40, 12), q_dtype=f32, dtype=b16), 1),
+    )]
+    cases += [_method_case("int8", {}, Shape((50, 17), dtype=b16), 2, int8_query=True, fused=True),
+              _method_case("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2, in_place=False,
+                           int8_query=True, int32_offsets=False)]
+    cases += [Case(f"int8 query terms discriminate d={d}", lambda dev, d=d: check_int8_query_discriminates(dev, d),
+                   family="layouts", tags=("int8", "int8_query")) for d in (64, 128)]
     # how several entries are addressed: copied end to end (pack's default; the drafter reads
     # them in place), with int32 offsets from each entry's start and with int64 ones (also in
     # place): every format and Quest both ways
@@ -473,6 +547,10 @@ def all_cases() -> list[Case]:
             cases.append(Case(f"{name} default launch sizes fused T={list(big.lengths)}", lambda dev, m=method:
                               check_method(m, {}, big, ops.LaunchConfig(fused=True), dev), family="large",
                               interpret=False, tags=(method, "fused")))
+        if method == "int8":  # the query's int8 terms at the default sizes, compiled
+            cases.append(Case(f"int8 default launch sizes int8_query T={list(big.lengths)}", lambda dev:
+                              check_method("int8", {}, big, ops.LaunchConfig(int8_query=True), dev),
+                              family="large", interpret=False, tags=("int8", "int8_query")))
         if method in QUANTIZERS:  # both settings of half products at the default sizes
             cases.append(Case(f"{method} default launch sizes half T={list(big.lengths)}",
                               lambda dev, m=method: check_method(m, {}, big, ops.LaunchConfig(half=True), dev),

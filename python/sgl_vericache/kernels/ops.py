@@ -76,6 +76,14 @@ class LaunchConfig:
     # Used where an entry's offsets fit (offsets32); a pool read through a token table and
     # Quest per query head keep int64. Not yet timed on a GPU: bench_kernels searches it off
     int32_offsets: bool = True
+    # int8 entries: the query as two int8 terms a row (int8_query_terms: ~16 bits of it, once a
+    # program) and the scores from int8 x int8 products on the integer tensor cores, so the
+    # keys' codes are used as stored, with no decode (offline at sm_90: the int8 main loop 695
+    # -> 559 instructions). Drafts change by the query's rounding (on SmolLM2 bench_compressors
+    # saw no change in agreement or accepted lengths), never the output: verification reads
+    # the full KV. Not yet timed on a GPU, so off unless asked (bench_kernels searches it);
+    # other formats, and head dims outside 32..256, ignore it (int8_query_applies)
+    int8_query: bool = False
 
 
 # (block_n, num_warps, num_stages) per format, the fastest bench_kernels.py found on an H200
@@ -168,6 +176,35 @@ def halves(config: LaunchConfig, packed: PackedKV, q_dtype: torch.dtype) -> bool
             and q_dtype in half_types)
 
 
+def folded(config: LaunchConfig, packed: PackedKV, q_dtype: torch.dtype) -> bool:
+    """Whether a launch multiplies int8 / fp8 codes as they are, their scales on scores and
+    probabilities: ``folds``, or half products (which always do)."""
+    config = launch_for(config, packed.fmt)
+    return folds(config, packed, q_dtype) or (halves(config, packed, q_dtype) and packed.fmt != FMT_KIVI)
+
+
+def int8_query_applies(config: LaunchConfig, packed: PackedKV, q_dtype: torch.dtype) -> bool:
+    """Whether a launch takes its scores from the query's int8 terms (LaunchConfig.int8_query):
+    an int8 entry with its scales folded and 32 <= head_dim <= 256 (the integer MMA's
+    reduction is 32 deep; the int32 sums stay exact to 256)."""
+    return (config.int8_query and packed.fmt == FMT_INT8 and 32 <= packed.head_dim <= 256
+            and folded(config, packed, q_dtype))
+
+
+def int8_query_terms(q: torch.Tensor) -> torch.Tensor:
+    """The query as the int8_query kernels see it (torch twin of triton_decode._int8_query),
+    in fp32: per row (last dim) of q, (254 hi + lo) * step, hi and lo int8 rounded half away
+    from zero, 254 * step the row's largest |element| / 127. Reproducible on a CPU, so its
+    effect on drafting can be measured there (bench_compressors --int8-query)."""
+    qf = q.float()
+    amax = qf.abs().amax(-1, keepdim=True)
+    unit = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    x = qf / unit
+    hi = torch.trunc(torch.where(x >= 0, x + 0.5, x - 0.5))
+    lo = torch.trunc(torch.where(x - hi >= 0, (x - hi) * 254.0 + 0.5, (x - hi) * 254.0 - 0.5))
+    return (254.0 * hi + lo) * (unit / 254.0)
+
+
 def offsets32(config: LaunchConfig, packed: PackedKV, longest: int, block_n: int) -> bool:
     """Whether a launch addresses entries in int32 (LaunchConfig.int32_offsets): entries laid
     end to end or in place (not a pool read through a token table) whose element offsets,
@@ -234,7 +271,8 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         FMT=packed.fmt, BITS=packed.bits, QGROUP=packed.token_group, CGROUP=packed.channel_group,
         KMODE=kmode if kmode != 2 or config.unpack == 0 else 0,
         HEAD_SCALE=packed.head_scale, INDEXED=packed.indices is not None, ROUND=rnd, DOT=dot,
-        FOLD=folds(config, packed, q.dtype) or (half and packed.fmt != FMT_KIVI), UNPACK=config.unpack, HALF=half,
+        FOLD=folded(config, packed, q.dtype), UNPACK=config.unpack, HALF=half,
+        QK8=int8_query_applies(config, packed, q.dtype),
         MROUND=1 if half else rnd, MDOT=1 if half else dot, Q_BF16=q.dtype == torch.bfloat16,
         ASM=config.asm if half and q.device.type == "cuda" and not interpreting() else 0,
         FUSED=config.fused, HAS_LSE=return_lse, SP=max(2, splits) if config.fused else 2,

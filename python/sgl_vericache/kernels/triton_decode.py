@@ -77,6 +77,38 @@ def _half_query(q, RESCALE: tl.constexpr):
 
 
 @triton.jit
+def _round_int8(x):
+    """x (|x| <= 127.5) to the nearest int8, halves away from zero."""
+    return tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int8)
+
+
+@triton.jit
+def _int8_query(q):
+    """(hi, lo, step): each query row as two int8 terms, q ~ (254 hi + lo) * step, where
+    254 * step is the row's largest |element| / 127 (a row of zeros: 1): hi the row rounded
+    to int8 in those units, lo the remainder in 254ths of them. The error, at most step / 2
+    (1/64516 of the largest element), is below a bf16 query's own rounding (half an ulp, at
+    least 2^-9 of the element) for every element above a 126th of the largest
+    (ops.int8_query_terms is the torch twin)."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), 1)
+    unit = tl.where(amax > 0, amax / 127.0, 1.0)
+    x = qf / unit[:, None]
+    hi = _round_int8(x)
+    lo = _round_int8((x - hi.to(tl.float32)) * 254.0)
+    return hi, lo, unit / 254.0
+
+
+@triton.jit
+def _int_scores(q_hi, q_lo, k8):
+    """q.k in the query's steps: 254 hi @ k8^T + lo @ k8^T, int8 codes multiplied on the
+    integer tensor cores (the keys' codes as stored: no decode), the sums exact in int32
+    (|254 hi.k + lo.k| <= 255 * 127^2 * D < 2^31 for D <= 256; ops.int8_query_applies)."""
+    s = tl.dot(q_hi, tl.trans(k8), out_dtype=tl.int32)
+    return tl.dot(q_lo, tl.trans(k8), s * 254, out_dtype=tl.int32).to(tl.float32)
+
+
+@triton.jit
 def _mm(a, b, DOT: tl.constexpr):
     """a @ b with fp32 accumulation; DOT 0 multiplies in fp32 (no TF32)."""
     if DOT == 0:
@@ -272,13 +304,15 @@ def _main_block(qm, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
                 scale, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr,
                 KMODE: tl.constexpr, HEAD_SCALE: tl.constexpr, MROUND: tl.constexpr, MDOT: tl.constexpr,
                 FOLD: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
-                BN: tl.constexpr, D: tl.constexpr):
+                BN: tl.constexpr, D: tl.constexpr, q8, q8_lo, q8_scale, QK8: tl.constexpr):
     """Fold one block of the main segment (rows tok) into the running state. qm is the query
-    in the main segment's product dtype (MDOT), ``scale`` its score scale. Rows past the
-    row's end (not ``live``) are the entry's last row again (the caller clamps tok): no load
-    is masked, their scores are (the loads' masks and their predication cost as much as
-    the rest of the address math: offline the int8 loop 751 -> 695 instructions and 227
-    -> 160 registers)."""
+    in the main segment's product dtype (MDOT), ``scale`` its score scale; with QK8 (int8
+    entries) the keys' codes meet the query's two int8 terms (q8, q8_lo: _int8_query) on
+    the integer tensor cores and q8_scale [GP] (each row's step times the score scale) goes
+    on the scores. Rows past the row's end (not ``live``) are the entry's last row again
+    (the caller clamps tok): no load is masked, their scores are (the loads' masks and
+    their predication cost as much as the rest of the address math: offline the int8 loop
+    751 -> 695 instructions and 227 -> 160 registers)."""
     valid = tl.full([BN], 1, tl.int1)  # what the loads are told: every row exists
     if FOLD:  # int8 / fp8: exact codes in the products, the token scales on scores and probabilities
         k_scale = _token_scales(ks_ptr, tok, entry, h, H, valid, HEAD_SCALE, BN)
@@ -286,8 +320,11 @@ def _main_block(qm, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
         if HALF and FMT == 3:  # fp8 codes in fp16 are 2^-8 of the value
             k_scale = k_scale * 256.0
             v_scale = v_scale * 256.0
-        k = _dot_in(_load_codes(k_ptr, tok, h, H, valid, FMT, D, HALF, ASM, BN), MDOT)
-        s = _mm(qm, tl.trans(k), MDOT) * (k_scale * scale)[None, :]
+        if QK8:  # the codes as they are stored: no decode at all on the key side
+            s = _int_scores(q8, q8_lo, _load_dense(k_ptr, tok, h, H, valid, D)) * q8_scale[:, None] * k_scale[None, :]
+        else:
+            k = _dot_in(_load_codes(k_ptr, tok, h, H, valid, FMT, D, HALF, ASM, BN), MDOT)
+            s = _mm(qm, tl.trans(k), MDOT) * (k_scale * scale)[None, :]
         s = tl.where(live[None, :], s, float("-inf"))
         v = _dot_in(_load_codes(v_ptr, tok, h, H, valid, FMT, D, HALF, ASM, BN), MDOT)
         m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, MDOT)
@@ -327,6 +364,7 @@ def _decode_split_kernel(
     FUSED: tl.constexpr = False, HAS_LSE: tl.constexpr = False, SP: tl.constexpr = 2,  # SP: splits, pow2 >= 2
     OFF32: tl.constexpr = False,  # main-segment offsets in int32 from the entry's first row (not INDEXED)
     ADDR: tl.constexpr = False,
+    QK8: tl.constexpr = False,  # int8 entries (FOLD): scores from the query's int8 terms x the codes (int8_query)
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -342,6 +380,11 @@ def _decode_split_kernel(
     if HALF:  # the main segment multiplies fp16: codes and dequantized values are exact or rounded there
         qm, unit = _half_query(q, Q_BF16)
         main_scale = qk_scale * unit
+    q8, q8_lo, q8_scale = q, q, qk_scale  # placeholders unless QK8
+    if QK8:
+        tl.static_assert(FMT == 2 and FOLD and D >= 32 and D <= 256, "int8 query: int8 entries, folded, 32 <= D <= 256")
+        q8, q8_lo, q8_step = _int8_query(q)
+        q8_scale = q8_step * qk_scale
     q = _dot_in(q, DOT)
     if not HALF:
         qm, main_scale = q, qk_scale
@@ -374,7 +417,7 @@ def _decode_split_kernel(
             tok = tl.load(idx_ptr + tok).to(tl.int64)
         m_i, l_i, acc = _main_block(qm, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tok, tok0,
                                     entry, h, H, live, main_scale, FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE,
-                                    MROUND, MDOT, FOLD, UNPACK, HALF, ASM, BN, D)
+                                    MROUND, MDOT, FOLD, UNPACK, HALF, ASM, BN, D, q8, q8_lo, q8_scale, QK8)
 
     last = split == NUM_SPLITS - 1  # the short segments go to the split with the least main work
     rec_len = tl.where(last, tl.load(meta + 3), 0)
