@@ -44,6 +44,9 @@ LAUNCHES = {  # name -> (method, LaunchConfig fields)
     "int8_half_asm_off64": ("int8", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 1,
                                      "int32_offsets": False}),
     "droppers_off64": ("droppers", {"int32_offsets": False}),
+    # int8 keys against the query's int8 terms (LaunchConfig.int8_query; not yet timed)
+    "int8_half_asm_q8": ("int8", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 1,
+                                  "int8_query": True}),
 }
 
 
