@@ -20,6 +20,8 @@ tied embeddings); `--check-hf` confirms its greedy tokens equal transformers'.
     python benchmark/bench_compressors.py --out benchmark/results/compressors.json
     python benchmark/bench_compressors.py --compressors quest@4 quest@4:heads=query quest@1.3333 \
         --out benchmark/results/quest_heads.json          # chosen ones: name[@ratio][:option=value,...]
+    python benchmark/bench_compressors.py --compressors int8 --int8-query \
+        --out benchmark/results/int8_query.json           # + int8 as an int8_query GPU launch drafts
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from draft_sim import ChatTokenizer, Llama, Reference, agreement_pass, append_true, prompt_entry, round_pass  # noqa: E402
-from sgl_vericache.mem_cache.compress import get_compressor  # noqa: E402
+from sgl_vericache.mem_cache.compress import causal_attention, get_compressor  # noqa: E402
+from sgl_vericache.mem_cache.compress.quant import Int8Compressor  # noqa: E402
 from sgl_vericache.mem_cache.compress.registry import parse_options  # noqa: E402
 
 TOOLS = (
@@ -78,6 +81,7 @@ class BenchConfig:
     check_hf: bool = False
     threads: int = 1
     compressors: tuple[str, ...] = ()  # specs "name[@ratio][:k=v,...]"; empty: every method (build_compressors)
+    int8_query: bool = False  # each int8 also as Int8QueryTerms (a GPU int8_query launch's drafts)
 
 
 # ---------------------------------------------------------------- orchestration
@@ -91,6 +95,34 @@ def build_compressors(ratios, variants: bool) -> list:
     if variants:
         comps += [get_compressor(n, residual_length=32) for n in ("kivi4", "kivi2")]
     return comps + [get_compressor(n, r) for n in RATIO_METHODS for r in ratios]
+
+
+class Int8QueryTerms(Int8Compressor):
+    """int8 as a GPU launch with LaunchConfig.int8_query drafts: the entry's keys met by the
+    query's int8 terms (kernels.ops.int8_query_terms, the kernels' own rounding), the
+    provisional keys by the query itself. One attention over features [terms, q] against
+    keys [k, 0] (entry) and [0, k] (provisional) computes exactly that."""
+
+    name = "int8(int8_query)"
+
+    def attend(self, layer, q, scale, k_extra=None, v_extra=None):
+        from sgl_vericache.kernels.ops import int8_query_terms  # imports Triton: only when asked
+
+        k, v, _ = self.materialize(layer)
+        q2 = torch.cat([int8_query_terms(q).to(q.dtype), q], -1)
+        k2 = torch.cat([k, torch.zeros_like(k)], -1)
+        e2 = None if k_extra is None else torch.cat([torch.zeros_like(k_extra), k_extra], -1)
+        return causal_attention(q2, k2, v, scale, e2, v_extra)
+
+
+def with_int8_query(comps: list) -> list:
+    """Each int8 compressor followed by its Int8QueryTerms twin (same options)."""
+    out = []
+    for comp in comps:
+        out.append(comp)
+        if type(comp) is Int8Compressor:
+            out.append(Int8QueryTerms(comp.config))
+    return out
 
 
 def parse_spec(spec: str):
@@ -301,6 +333,9 @@ def parse_args(argv=None) -> BenchConfig:
     p.add_argument("--compressors", nargs="+", default=(), metavar="SPEC",
                    help="only these, each name[@ratio][:option=value,...] (e.g. quest@4:heads=query); "
                         "the full-KV reference is always computed")
+    p.add_argument("--int8-query", action="store_true",
+                   help="each int8 compressor also drafted as a GPU launch with LaunchConfig.int8_query does "
+                        "(the entry's keys against the query's int8 terms): row int8(int8_query)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads; 1 is fastest on a shared 2-core box (many tiny ops, no spin-wait)")
     a = p.parse_args(argv)
@@ -323,6 +358,7 @@ def parse_args(argv=None) -> BenchConfig:
         check_hf=a.check_hf,
         threads=a.threads,
         compressors=tuple(a.compressors),
+        int8_query=a.int8_query,
     )
 
 
@@ -354,6 +390,8 @@ def main(argv=None) -> None:
     eos = ({eos} if isinstance(eos, int) else set(eos)) | {tokenizer.eos_token_id} - {None}
     comps = ([parse_spec(s) for s in cfg.compressors] if cfg.compressors
              else build_compressors(cfg.ratios, variants=cfg.num_prompts > 3))
+    if cfg.int8_query:
+        comps = with_int8_query(comps)
     prompts = PROMPTS[: cfg.num_prompts]
     print(f"{len(comps)} compressors x {len(prompts)} prompts, {cfg.gen_len} tokens, draft {cfg.draft_len}")
     prompt_results = []
