@@ -4,6 +4,7 @@
     .venv/bin/python benchmark/sass_offline.py --only int8_half --dump /tmp/sass
     .venv/bin/python benchmark/sass_offline.py --only quest_kv quest_query page_scores_kv
     .venv/bin/python benchmark/sass_offline.py --only int8_half_asm int8_half_asm_off64 int8_half_asm_q8
+    .venv/bin/python benchmark/sass_offline.py --triton 3.6.0 --defaults   # the lent GPU machine's Triton
 
 Triton's NVIDIA backend and the ptxas / cuobjdump it ships run on any x86 machine, so the
 compiled code of each launch variant (format x half products x inline PTX, at the launch
@@ -15,6 +16,11 @@ changes, checked against ``benchmark/profile_kernels.py`` on a lent GPU. Quest's
 (``quest_*``, ``page_scores_*``) are compiled the same way; a variant that fails to compile
 is reported and the exit status is 1 (test_kernels.py runs the drafter's default ones, so a
 kernel the interpreter accepts but the compiler refuses fails CI, not a GPU session).
+``--triton VERSION`` compiles with that Triton release instead of the venv's (the lent GPU
+machine has 3.6, the venv 3.8; their code differs, e.g. int8 read as words is shorter than the
+default under 3.8 and longer under 3.6, as the H200 timed it): the wheel comes from the package
+index once, unpacked under ~/.cache/sgl_vericache/triton/VERSION, and this script runs again
+with it first on the path.
 """
 
 from __future__ import annotations
@@ -29,6 +35,44 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+TRITON_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sgl_vericache" / "triton"
+
+
+def triton_release(version: str) -> Path:
+    """A directory holding Triton ``version`` (its package, ptxas and cuobjdump), for this
+    Python and platform: fetched with pip (no dependencies) and unpacked once."""
+    if not re.fullmatch(r"\d+\.\d+\.\d+", version):
+        raise SystemExit(f"--triton {version!r}: expected a release number such as 3.6.0")
+    home = TRITON_CACHE / version
+    if not (home / "triton" / "__init__.py").exists():
+        import zipfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"fetching triton=={version} into {home}", file=sys.stderr, flush=True)
+            got = subprocess.run([sys.executable, "-m", "pip", "download", f"triton=={version}", "--no-deps",
+                                  "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d", tmp],
+                                 capture_output=True, text=True)
+            wheels = list(Path(tmp).glob("triton-*.whl"))
+            if got.returncode != 0 or not wheels:
+                raise SystemExit(f"--triton {version}: pip could not fetch it: {(got.stderr or got.stdout)[-600:]}")
+            part = home.with_name(home.name + ".part")
+            with zipfile.ZipFile(wheels[0]) as wheel:
+                wheel.extractall(part)
+            for tool in (part / "triton" / "backends" / "nvidia" / "bin").glob("*"):
+                tool.chmod(0o755)  # zip entries lose their mode
+            part.rename(home)
+    return home
+
+
+if __name__ == "__main__" and "--triton" in sys.argv:  # run again with that release first on the path
+    _at = sys.argv.index("--triton")
+    if _at + 1 >= len(sys.argv):
+        raise SystemExit("--triton needs a version, e.g. --triton 3.6.0")
+    _home = triton_release(sys.argv[_at + 1])
+    _env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_home), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    _argv = sys.argv[1:_at] + sys.argv[_at + 2:]
+    os.execve(sys.executable, [sys.executable, __file__, *_argv], _env)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -197,9 +241,12 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", choices=every, default=every)
     ap.add_argument("--defaults", action="store_true", help="only each kernel's default launch on a GPU")
     ap.add_argument("--arch", type=int, default=90, help="SM version (90: H100 / H200)")
+    ap.add_argument("--triton", metavar="VERSION",
+                    help="compile with this Triton release (e.g. 3.6.0, the lent GPU machine's), fetched once")
     ap.add_argument("--dump", type=Path, help="write each variant's SASS and PTX here")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="vc_sass_"))
+    print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), sm_{args.arch}", flush=True)
     failed = 0
     for name in DEFAULTS if args.defaults else args.only:
         try:
