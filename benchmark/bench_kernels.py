@@ -64,20 +64,22 @@ METHODS = {"kivi4": {"group_size": 32, "residual_length": 128}, "kivi2": {"group
 # unpacking, unpack=1, 10-20x slower; int8 / fp8 unfolded, fold=False, 0.7x of folded at
 # edf012c.)
 TUNE_CONFIGS = [(32, 2, 3), (64, 4, 3), (32, 4, 2), (128, 4, 2), (64, 2, 3)]
-# Each method's default launch first, then what a GPU has yet to time against it (int8: the
-# keys' scores from the query's int8 terms, int8_query, offline 559 instructions a loop against
-# the default's 695, 488 with words; int8 / fp8 codes read as words, asm=2: 8% slower at
-# e399a85 but now, offline, int8 613 instructions a loop and 128 registers against 695 and
-# 160, fp8 377 against 472; the fused split merge; the int64 addressing that int32 offsets
-# within an entry replaced), then the slower alternatives measured before: at gpu_check.sh's
-# budget a method gets 2-4 trials (compiles dominate)
+# Each method's default launch first, then what a GPU has yet to time against it, by its
+# offline main loop under Triton 3.6 (the GPU machine's; sass_offline.py --triton 3.6.0): int8
+# with the keys' scores from the query's int8 terms (int8_query: 573 instructions a loop
+# against the default's 697; with words 565); int8 / fp8 codes read as words (asm=2: 8%
+# slower at e399a85; fp8 457 against 479, int8 710 against 697, so int8's comes last); the
+# fused split merge; the int64 addressing that int32 offsets within an entry replaced; then
+# the slower alternatives measured before. At gpu_check.sh's budget a method gets 2-4 trials
+# (compiles dominate)
 _WIDE = {"int32_offsets": False}
 TUNE_VARIANTS = {m: [{"half": True}, {"half": True, "fused": True}, {"half": True, **_WIDE},
                      {"half": True, "asm": 0}, {"half": False}] for m in ("kivi4", "kivi2")}
 TUNE_VARIANTS["fp8"] = [{"half": True}, {"half": True, "asm": 2}, {"half": True, "fused": True},
                         {"half": True, **_WIDE}, {"half": True, "asm": 0}, {"half": False}]
-TUNE_VARIANTS["int8"] = [{"half": True}, {"half": True, "int8_query": True}, {"half": True, "asm": 2},
-                         {"half": True, "asm": 2, "int8_query": True}, *TUNE_VARIANTS["fp8"][2:]]
+_Q8 = {"half": True, "int8_query": True}
+TUNE_VARIANTS["int8"] = [{"half": True}, _Q8, {**_Q8, "asm": 2}, *TUNE_VARIANTS["fp8"][2:4], {"half": True, "asm": 2},
+                         *TUNE_VARIANTS["fp8"][4:]]
 TUNE_VARIANTS["droppers"] = [{}, _WIDE, {"fused": True}]
 EXTRAS = 16  # provisional tokens seen (draft step 16 of 32)
 RATIO = 4.0
