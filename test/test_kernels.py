@@ -352,3 +352,56 @@ def test_half_products_apply_to_half_quantized_entries_under_half_queries():
     for fmt in (FMT_KIVI, FMT_INT8, FMT_FP8):
         assert ops.launch_for(ops.LaunchConfig(), fmt).half is ops.MEASURED_HALF[fmt]
         assert ops.launch_for(ops.LaunchConfig(half=False), fmt).half is False
+
+
+def test_int8_query_terms_and_the_drafting_benchmarks_twin():
+    """ops.int8_query_terms (the kernels' twin: kernel_checks compares them) is within half a
+    step of the query, 1/64516 of its row's largest element, and exact on the steps' grid; and
+    bench_compressors' int8(int8_query) row drafts with it for the entry's keys and with q for
+    the provisional ones, causally (told apart from terms or q everywhere)."""
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    from bench_compressors import Int8QueryTerms, with_int8_query
+
+    from sgl_vericache.kernels import ops
+    from sgl_vericache.mem_cache.compress import get_compressor
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 6, 64, generator=g) * torch.logspace(-3, 2, 6)[None, :, None]
+    q[0, 0] = 0.0  # a row of zeros stays zeros
+    terms = ops.int8_query_terms(q)
+    step = q.abs().amax(-1, keepdim=True) / 127 / 254
+    assert bool((terms[0, 0] == 0).all())
+    err = ((terms - q).abs() / step)[step.expand_as(q) > 0]  # at most half a step (0.5004: fp32 rounding)
+    assert float(err.max()) <= 0.501 and float(err.max()) > 0.45, float(err.max())
+    # values on the steps' grid come back exactly (largest 127: a step of 1/254)
+    x = torch.tensor([[127.0, 0.5, -0.5, 2.5, -2.5, 3 / 254, -125 / 254]])
+    assert torch.equal(ops.int8_query_terms(x), x)
+
+    comp = get_compressor("int8")
+    twin = Int8QueryTerms(comp.config)
+    assert [type(c) for c in with_int8_query([comp, get_compressor("fp8")])] == [
+        type(comp), Int8QueryTerms, type(get_compressor("fp8"))]
+    # queries whose terms differ from them visibly: one channel at 64 (its keys all 1.0, the
+    # same logit for every key), the rest within two steps, which the terms round to steps
+    step = 64.0 / 127 / 254
+    q = torch.cat([torch.full((3, 6, 1), 64.0), (torch.rand(3, 6, 63, generator=g) * 4 - 2) * step], -1)
+    terms = ops.int8_query_terms(q)
+    keys_of = lambda n: torch.cat([torch.ones(n, 2, 1), torch.randn(n, 2, 63, generator=g)], -1)  # noqa: E731
+    layer = comp.compress(keys_of(40), torch.randn(40, 2, 64, generator=g))
+    ke, ve = keys_of(4), torch.randn(4, 2, 64, generator=g)
+    scale = 1.5  # logits ~100, the terms move them by ~1e-2
+    out = twin.attend(layer, q, scale, ke, ve)
+    kk, vv, _ = comp.materialize(layer)
+    for i in range(3):  # query i sees the entry and provisional keys [: 4 - 3 + i + 1]
+        keys = torch.cat([kk, ke[: 2 + i]]).double().repeat_interleave(3, 1)
+        vals = torch.cat([vv, ve[: 2 + i]]).double().repeat_interleave(3, 1)
+        logits = {}
+        for name, entry_q, extra_q in (("twin", terms[i], q[i]), ("terms everywhere", terms[i], terms[i]),
+                                       ("q everywhere", q[i], q[i])):
+            s = torch.cat([torch.einsum("hd,nhd->hn", entry_q.double(), keys[:40]),
+                           torch.einsum("hd,nhd->hn", extra_q.double(), keys[40:])], -1) * scale
+            logits[name] = torch.einsum("hn,nhd->hd", s.softmax(-1), vals).float()
+        err = float((out[i] - logits.pop("twin")).abs().max())
+        assert err < 1e-4, (i, err)
+        for name, other in logits.items():  # and it is told apart from the two wrong ways
+            assert float((out[i] - other).abs().max()) > 20 * max(err, 1e-5), (i, name)
