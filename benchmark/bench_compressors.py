@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from draft_sim import ChatTokenizer, Llama, Reference, agreement_pass, append_true, prompt_entry, round_pass  # noqa: E402
-from sgl_vericache.mem_cache.compress import causal_attention, get_compressor  # noqa: E402
+from sgl_vericache.mem_cache.compress import get_compressor  # noqa: E402
 from sgl_vericache.mem_cache.compress.quant import Int8Compressor  # noqa: E402
 from sgl_vericache.mem_cache.compress.registry import parse_options  # noqa: E402
 
@@ -99,20 +99,15 @@ def build_compressors(ratios, variants: bool) -> list:
 
 class Int8QueryTerms(Int8Compressor):
     """int8 as a GPU launch with LaunchConfig.int8_query drafts: the entry's keys met by the
-    query's int8 terms (kernels.ops.int8_query_terms, the kernels' own rounding), the
-    provisional keys by the query itself. One attention over features [terms, q] against
-    keys [k, 0] (entry) and [0, k] (provisional) computes exactly that."""
+    query's int8 terms, the provisional keys by the query itself
+    (kernels.ops.int8_query_attention, the kernels' own twin)."""
 
     name = "int8(int8_query)"
 
     def attend(self, layer, q, scale, k_extra=None, v_extra=None):
-        from sgl_vericache.kernels.ops import int8_query_terms  # imports Triton: only when asked
+        from sgl_vericache.kernels.ops import int8_query_attention  # imports Triton: only when asked
 
-        k, v, _ = self.materialize(layer)
-        q2 = torch.cat([int8_query_terms(q).to(q.dtype), q], -1)
-        k2 = torch.cat([k, torch.zeros_like(k)], -1)
-        e2 = None if k_extra is None else torch.cat([torch.zeros_like(k_extra), k_extra], -1)
-        return causal_attention(q2, k2, v, scale, e2, v_extra)
+        return int8_query_attention(self, layer, q, scale, k_extra, v_extra)
 
 
 def with_int8_query(comps: list) -> list:

@@ -129,17 +129,8 @@ def check_method(method: str, options: dict, shape: Shape, config: ops.LaunchCon
 
 
 def _int8_query_twin(comp, layer, q, scale, k_extra, v_extra) -> torch.Tensor:
-    """What an int8_query launch computes for one query row (q [1, H_q, D]): the entry's
-    keys met by the query's int8 terms (ops.int8_query_terms), the provisional ones by q
-    itself; in float64 over ``materialize``."""
-    k, v, _ = comp.materialize(layer)
-    group = q.shape[1] // k.shape[1]
-    keys = torch.cat([k, k_extra]).double().repeat_interleave(group, 1)
-    values = torch.cat([v, v_extra]).double().repeat_interleave(group, 1)
-    n = k.shape[0]
-    scores = torch.cat([torch.einsum("hd,nhd->hn", ops.int8_query_terms(q[0]).double(), keys[:n]),
-                        torch.einsum("hd,nhd->hn", q[0].double(), keys[n:])], -1) * scale
-    return torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), values)[None].to(q.dtype)
+    """What an int8_query launch computes (ops.int8_query_attention), in float64."""
+    return ops.int8_query_attention(comp, layer, q, scale, k_extra, v_extra, dtype=torch.float64)
 
 
 def check_int8_query_discriminates(device, head_dim: int = 64) -> float:

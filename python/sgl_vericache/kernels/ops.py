@@ -205,6 +205,31 @@ def int8_query_terms(q: torch.Tensor) -> torch.Tensor:
     return (254.0 * hi + lo) * (unit / 254.0)
 
 
+def int8_query_attention(compressor, layer, q: torch.Tensor, scale: float, k_extra: Optional[torch.Tensor] = None,
+                         v_extra: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What an int8_query launch drafts, in torch (the kernels' twin in kernel_checks, and
+    bench_compressors' int8(int8_query) row): compressor.attend's attention, q [S, H_q, D],
+    except that the entry's keys (``materialize``) meet int8_query_terms(q) and the
+    provisional ones q itself; query i sees k_extra[: E - S + i + 1]. Computed in ``dtype``;
+    the result in q.dtype (zeros where a query sees no key)."""
+    k, v, _ = compressor.materialize(layer)
+    num_q, num_q_heads, _ = q.shape
+    group = num_q_heads // k.shape[1]
+    num_extra = 0 if k_extra is None else k_extra.shape[0]
+    if k.shape[0] + num_extra == 0:
+        return torch.zeros_like(q)
+    keys = torch.cat([k, k_extra]) if num_extra else k
+    values = torch.cat([v, v_extra]) if num_extra else v
+    keys, values = (x.to(dtype).repeat_interleave(group, 1) for x in (keys, values))
+    n = k.shape[0]
+    scores = torch.cat([torch.einsum("shd,nhd->hsn", int8_query_terms(q).to(dtype), keys[:n]),
+                        torch.einsum("shd,nhd->hsn", q.to(dtype), keys[n:])], -1) * scale
+    seen = torch.arange(num_extra, device=q.device)[None, :] <= torch.arange(num_q, device=q.device)[:, None] + (
+        num_extra - num_q)
+    scores[:, :, n:] = scores[:, :, n:].masked_fill(~seen, float("-inf"))
+    return torch.einsum("hsn,nhd->shd", torch.softmax(scores, -1), values).to(q.dtype)
+
+
 def offsets32(config: LaunchConfig, packed: PackedKV, longest: int, block_n: int) -> bool:
     """Whether a launch addresses entries in int32 (LaunchConfig.int32_offsets): entries laid
     end to end or in place (not a pool read through a token table) whose element offsets,
