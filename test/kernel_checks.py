@@ -402,24 +402,7 @@ def _launch_variants() -> list[Case]:
         ("kivi4", KIVI, Shape((37, 70, 5)), 2),
         ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
     )]
-    # int8 keys' scores from the query's int8 terms (LaunchConfig.int8_query): half and fp32
-    # entries, GQA 1 / 3 / 8, d 32 / 64 / 128, bf16 queries far outside fp16's range and tiny
-    # ones, the fused merge, copied with int64 offsets; d=16 (the integer MMA is 32 deep) and
-    # fp32 queries over a bf16 entry (not folded) keep the usual products
-    cases += [_method_case(*row, int8_query=True) for row in (
-        ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
-        ("int8", {}, Shape((50, 17), head_dim=32), 1),
-        ("int8", {}, Shape((45, 19, 64), group=1, head_dim=128, dtype=f16), 4),
-        ("int8", {}, Shape((33, 81, 2), dtype=b16, q_gain=3e5), 2),
-        ("int8", {}, Shape((33, 81, 2), dtype=b16, q_gain=1e-6), 1),
-        ("int8", {}, Shape((40, 12), head_dim=16), 1),
-        ("int8", {}, Shape((40, 12), q_dtype=f32, dtype=b16), 1),
-    )]
-    cases += [_method_case("int8", {}, Shape((50, 17), dtype=b16), 2, int8_query=True, fused=True),
-              _method_case("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2, in_place=False,
-                           int8_query=True, int32_offsets=False)]
-    cases += [Case(f"int8 query terms discriminate d={d}", lambda dev, d=d: check_int8_query_discriminates(dev, d),
-                   family="layouts", tags=("int8", "int8_query")) for d in (64, 128)]
+    cases += _int8_query_cases()
     # how several entries are addressed: copied end to end (pack's default; the drafter reads
     # them in place), with int32 offsets from each entry's start and with int64 ones (also in
     # place): every format and Quest both ways
@@ -449,6 +432,30 @@ def _launch_variants() -> list[Case]:
     for unpack, block_n in ((0, 16), (0, 32), (1, 16)):
         cases += [_method_case(*row, family="large", interpret=False, unpack=unpack, block_n=block_n)
                   for row in half_kivi]
+    return cases
+
+
+def _int8_query_cases() -> list[Case]:
+    """int8 keys' scores from the query's int8 terms (LaunchConfig.int8_query): half and fp32
+    entries, GQA 1 / 3 / 8, d 32 / 64 / 128, bf16 queries far outside fp16's range and tiny
+    ones, the fused merge, copied with int64 offsets; d=16 (the integer MMA is 32 deep) and
+    fp32 queries over a bf16 entry (not folded) keep the usual products; and the check that
+    tells the terms from the query."""
+    f32, b16, f16 = torch.float32, torch.bfloat16, torch.float16
+    cases = [_method_case(*row, int8_query=True) for row in (
+        ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
+        ("int8", {}, Shape((50, 17), head_dim=32), 1),
+        ("int8", {}, Shape((45, 19, 64), group=1, head_dim=128, dtype=f16), 4),
+        ("int8", {}, Shape((33, 81, 2), dtype=b16, q_gain=3e5), 2),
+        ("int8", {}, Shape((33, 81, 2), dtype=b16, q_gain=1e-6), 1),
+        ("int8", {}, Shape((40, 12), head_dim=16), 1),
+        ("int8", {}, Shape((40, 12), q_dtype=f32, dtype=b16), 1),
+    )]
+    cases += [_method_case("int8", {}, Shape((50, 17), dtype=b16), 2, int8_query=True, fused=True),
+              _method_case("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2, in_place=False,
+                           int8_query=True, int32_offsets=False)]
+    cases += [Case(f"int8 query terms discriminate d={d}", lambda dev, d=d: check_int8_query_discriminates(dev, d),
+                   family="layouts", tags=("int8", "int8_query")) for d in (64, 128)]
     return cases
 
 

@@ -109,6 +109,24 @@ def _int_scores(q_hi, q_lo, k8):
 
 
 @triton.jit
+def _queries(q, qk_scale, DOT: tl.constexpr, HALF: tl.constexpr, Q_BF16: tl.constexpr, QK8: tl.constexpr):
+    """The query in each form a program multiplies it in, once: (q in the dot dtype, for the
+    short segments; qm and its score scale, for the main segment: fp16 with half products,
+    else q; the int8 terms and their scale with QK8, else placeholders)."""
+    if HALF:  # the main segment multiplies fp16: codes and dequantized values are exact or rounded there
+        qm, unit = _half_query(q, Q_BF16)
+        main_scale = qk_scale * unit
+    q8, q8_lo, q8_scale = q, q, qk_scale
+    if QK8:
+        q8, q8_lo, q8_step = _int8_query(q)
+        q8_scale = q8_step * qk_scale
+    q = _dot_in(q, DOT)
+    if not HALF:
+        qm, main_scale = q, qk_scale
+    return q, qm, main_scale, q8, q8_lo, q8_scale
+
+
+@triton.jit
 def _mm(a, b, DOT: tl.constexpr):
     """a @ b with fp32 accumulation; DOT 0 multiplies in fp32 (no TF32)."""
     if DOT == 0:
@@ -377,17 +395,9 @@ def _decode_split_kernel(
     d = tl.arange(0, D)
     q_rows = r.to(tl.int64) * HQ + h * GROUP + gi
     q = tl.load(q_ptr + (q_rows * D)[:, None] + d[None, :], mask=(gi < GROUP)[:, None], other=0.0)
-    if HALF:  # the main segment multiplies fp16: codes and dequantized values are exact or rounded there
-        qm, unit = _half_query(q, Q_BF16)
-        main_scale = qk_scale * unit
-    q8, q8_lo, q8_scale = q, q, qk_scale  # placeholders unless QK8
-    if QK8:
-        tl.static_assert(FMT == 2 and FOLD and D >= 32 and D <= 256, "int8 query: int8 entries, folded, 32 <= D <= 256")
-        q8, q8_lo, q8_step = _int8_query(q)
-        q8_scale = q8_step * qk_scale
-    q = _dot_in(q, DOT)
-    if not HALF:
-        qm, main_scale = q, qk_scale
+    tl.static_assert(not QK8 or (FMT == 2 and FOLD and D >= 32 and D <= 256),
+                     "int8 query: int8 entries, folded, 32 <= D <= 256")
+    q, qm, main_scale, q8, q8_lo, q8_scale = _queries(q, qk_scale, DOT, HALF, Q_BF16, QK8)
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
