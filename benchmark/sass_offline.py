@@ -29,6 +29,7 @@ import argparse
 import collections
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ def triton_release(version: str) -> Path:
             if got.returncode != 0 or not wheels:
                 raise SystemExit(f"--triton {version}: pip could not fetch it: {(got.stderr or got.stdout)[-600:]}")
             part = home.with_name(home.name + ".part")
+            shutil.rmtree(part, ignore_errors=True)  # what an interrupted run left
             with zipfile.ZipFile(wheels[0]) as wheel:
                 wheel.extractall(part)
             for tool in (part / "triton" / "backends" / "nvidia" / "bin").glob("*"):
