@@ -102,6 +102,10 @@ class VeriCacheConfig:
         "measured speed), leaving the rest of the fetch to draft in; a later entry costs more than its drafts "
         "save. 1 = always read, 0 = never.", min=0.0, max=1.0,
     )
+    warm_up_kernels: bool = _opt(
+        True, "On a GPU, compile the draft attention kernels for the configured compressor(s) while the server "
+        "starts (seconds per compressor on a first start; Triton keeps them on disk for the next) instead of in "
+        "the first requests' draft rounds. No effect where drafting runs on torch (CPU).")
     compressor_options: str = _opt(
         "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
     )

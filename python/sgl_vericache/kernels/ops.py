@@ -408,6 +408,16 @@ def _partials(num_rows, num_q_heads, splits, head_dim, device):
                                                device=device)
 
 
+def warm_merges(num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Launch the split merge once at every split count a launch may choose (1 .. MAX_SPLITS:
+    its SP is a compile-time size), so none compiles inside a draft round (spec/warm_up.py)."""
+    splits = 1
+    while splits <= MAX_SPLITS:
+        m, l, acc = (t.zero_() for t in _partials(1, num_q_heads, splits, head_dim, device))
+        _combine(m, l, acc, dtype, False)
+        splits *= 2
+
+
 def _combine(m, l, acc, dtype, return_lse):
     num_rows, num_q_heads, splits, head_dim = acc.shape
     out = torch.empty(num_rows, num_q_heads, head_dim, dtype=dtype, device=acc.device)

@@ -95,6 +95,21 @@ class WorkerSeam:
                 cfg.get_total_num_kv_heads() if hasattr(cfg, "get_total_num_kv_heads") else None,
                 getattr(cfg, "head_dim", None))
 
+    def head_layout(self):
+        """This worker's attention heads and dtypes, as the draft kernels see them (their
+        start-up warm-up, ``spec.warm_up``): from the model's first RadixAttention layer
+        and the full KV pool; None for a model without one."""
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        from sgl_vericache.spec.warm_up import HeadLayout
+
+        layer = next((m for m in self.model_runner.model.modules() if isinstance(m, RadixAttention)), None)
+        if layer is None:
+            return None
+        keys = self.model_runner.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        return HeadLayout(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, keys.dtype,
+                          self.model_runner.model_config.dtype)
+
     def full_kv_bytes_per_token(self) -> int:
         """Bytes of full KV per token (every layer's keys and values); 0 if the pool has no
         per-layer buffers to measure."""
@@ -136,6 +151,8 @@ class VeriCacheWorker(NGRAMWorker):
         self.seam = WorkerSeam(self, runtime, draft_weights)
         rng = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
         self.speculator = Speculator(self.vc, self.seam, Stats(get_observability().enable_metrics), rng)
+        if self.vc.warm_up_kernels:
+            self.speculator.warm_up_kernels()
         self.ngram_corpus = NoCorpus(self.speculator.release_departed)
         self.verify_backend = None
         if self.vc.full_device_budget >= 0:

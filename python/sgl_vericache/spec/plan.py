@@ -135,6 +135,12 @@ class Planner:
         fixed = isinstance(custom, dict) and "vericache_draft_len" in custom
         return Plan(self._compressor(cfg, name), cfg.draft_len, fixed=fixed, auto=cfg.compressor == AUTO)
 
+    def configured_compressors(self) -> list[KVCompressor]:
+        """The compressors requests get without asking for another: the configured one, or
+        under ``auto`` each candidate (the instances their plans will share)."""
+        names = AUTO_CANDIDATES if self.vc.compressor == AUTO else (self.vc.compressor,)
+        return [self._compressor(self.vc, name) for name in names]
+
     def _compressor(self, cfg: VeriCacheConfig, name: str) -> KVCompressor:
         key = (name, cfg.ratio, cfg.compressor_options if name == cfg.compressor else "")
         if key not in self.compressors:

@@ -151,6 +151,30 @@ class Speculator:
         # first round of a request compresses its whole prompt), and of its draft forwards alone
         self.setup_seconds = self.forward_seconds = 0.0
 
+    def warm_up_kernels(self) -> None:
+        """Compile the draft kernels for the configured compressors now (spec/warm_up.py),
+        not in the first requests' rounds; nothing on a device that drafts on torch. A
+        failure is logged and the server goes on (the kernels then compile at first use)."""
+        from sgl_vericache.kernels import draft_attention_available
+        from sgl_vericache.spec.warm_up import warm_up
+
+        if not draft_attention_available(self.seam.device):
+            return
+        compressors = self.planner.configured_compressors()
+        names = ", ".join(c.name for c in compressors)
+        try:
+            layout = self.seam.head_layout()
+            if layout is None:
+                return
+            logger.info("VeriCache: compiling the draft kernels for %s (%s)", names, layout)
+            seconds = warm_up(compressors, layout, self.seam.device)
+        except Exception:  # a warm-up is an optimization: never the reason a server fails to start
+            logger.exception("VeriCache: compiling the draft kernels for %s at start-up failed; they compile at "
+                             "their first draft round instead", names)
+            return
+        if seconds is not None:
+            logger.info("VeriCache: draft kernels for %s ready in %.1f s", names, seconds)
+
     # -- per request ---------------------------------------------------------------------
 
     def plan(self, req) -> Plan:

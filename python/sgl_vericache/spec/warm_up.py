@@ -1,0 +1,107 @@
+"""Compile the draft kernels before the first request needs them.
+
+On a GPU the drafter's attention runs on Triton kernels (``sgl_vericache.kernels``) that
+compile on first use: each compressor's format in two variants (a lone request's entry;
+several read in place through their address table), and the split merge for every split
+count a launch picks. Left to the first requests, those compiles (seconds each on a first
+start; Triton caches them on disk for the next) land inside their draft rounds. ``warm_up``
+runs a small draft round per compressor through a throwaway ``CompressedKVStore`` of one
+layer, with the model's head layout and dtypes, so the rounds that follow find every
+variant they launch already compiled: kernel variants depend on the head layout, dtypes and
+compressor options, never on the lengths a round sees (the kernels do not specialize on
+them; test/kernel_checks.py's warm-up cases compare Triton's own cache keys).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from sgl_vericache.mem_cache.compress import KVCompressor
+
+from .drafter import CompressedKVStore, selects_per_step
+
+# two synthetic requests: long enough that every compressor keeps a compressed main part and
+# (KIVI) a residual window, short enough to cost milliseconds
+LENGTHS = (600, 300)
+_PROMPT_QUERIES = 32  # last prompt queries handed to SnapKV / H2O
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """What a kernel variant depends on besides the compressor: one worker's attention heads."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: torch.dtype  # the full KV pool's (the compressors read it)
+    q_dtype: torch.dtype  # the draft passes' queries (the model's dtype)
+
+    def __post_init__(self):
+        if self.num_kv_heads < 1 or self.num_q_heads % self.num_kv_heads or self.head_dim < 1:
+            raise ValueError(f"a head layout needs H_q a multiple of H_kv >= 1 and head_dim >= 1, got {self}")
+
+
+def warm_up(compressors: Sequence[KVCompressor], layout: HeadLayout, device: torch.device,
+            draft_kernels: Optional[bool] = None, lengths: tuple[int, int] = LENGTHS) -> Optional[float]:
+    """Run throwaway draft rounds per compressor (a lone request, two read together, and for
+    compressors that do not choose keys per step a teacher-forced one) over two synthetic
+    requests of ``lengths`` tokens, and the split merge at every split count; seconds taken,
+    or None when this device drafts on the dense torch path (``draft_kernels`` as
+    CompressedKVStore takes it: None = the kernels on CUDA)."""
+    device = torch.device(device)
+    if draft_kernels is False:
+        return None
+    if draft_kernels is None:
+        from sgl_vericache.kernels import draft_attention_available
+
+        if not draft_attention_available(device):
+            return None
+    from sgl_vericache.kernels import ops
+
+    t0 = time.perf_counter()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    seen = set()
+    for comp in compressors:
+        if id(comp) not in seen:
+            seen.add(id(comp))
+            _warm_compressor(comp, layout, device, gen, draft_kernels, lengths)
+    ops.warm_merges(layout.num_q_heads, layout.head_dim, layout.q_dtype, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def _randn(gen, shape, dtype, device) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def _warm_compressor(comp: KVCompressor, layout: HeadLayout, device, gen, draft_kernels, lengths) -> None:
+    kv_shape = (max(lengths), layout.num_kv_heads, layout.head_dim)
+    kv = [(_randn(gen, kv_shape, layout.kv_dtype, device), _randn(gen, kv_shape, layout.kv_dtype, device))
+          for _ in lengths]
+    queries = [_randn(gen, (_PROMPT_QUERIES, layout.num_q_heads, layout.head_dim), layout.q_dtype, device)]
+    store = CompressedKVStore(comp, num_layers=1, draft_kernels=draft_kernels)
+    rids = list(range(len(lengths)))
+    for rid, ((k, v), n) in enumerate(zip(kv, lengths)):
+        store.sync(rid, n, lambda _, a, b, k=k, v=v: (k[a:b], v[a:b]), queries=queries)
+    scale = layout.head_dim ** -0.5
+    try:
+        for batch in ([rids[0]], rids):  # a lone entry, then several read together
+            store.begin_round(batch, 2)
+            for _ in range(2):
+                q = _randn(gen, (len(batch), layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
+                k_new, v_new = (_randn(gen, (len(batch), layout.num_kv_heads, layout.head_dim), layout.kv_dtype,
+                                       device) for _ in range(2))
+                store.attend(0, q, k_new, v_new, scale)
+        if not selects_per_step(comp):  # a prompt's tokens past its entry, drafted at once
+            store.begin_round([rids[0]], 3)
+            q = _randn(gen, (3, layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
+            k_new, v_new = (_randn(gen, (3, layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device)
+                            for _ in range(2))
+            store.attend_tokens(0, q, k_new, v_new, scale)
+    finally:
+        store.clear()

@@ -1,0 +1,91 @@
+"""The draft kernels' start-up warm-up (spec/warm_up.py), as the worker wires it.
+
+That the warm-up compiles every kernel variant later rounds launch is kernel_checks.py's
+`warm-up` cases (store family: Triton's own cache keys, under the interpreter here and
+compiled on a GPU); these tests cover what runs around it on any machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from sgl_vericache.config import AUTO_CANDIDATES, VeriCacheConfig
+from sgl_vericache.spec.round import Speculator
+from sgl_vericache.spec.stats import Stats
+from sgl_vericache.spec.warm_up import HeadLayout, warm_up
+
+LAYOUT = HeadLayout(6, 2, 64, torch.float32, torch.float32)
+
+
+class _Seam:
+    def __init__(self, device="cpu", layout=LAYOUT, error=None):
+        self.num_layers, self.device, self.layout, self.error = 2, device, layout, error
+        self.layout_calls = 0
+
+    def abort(self, req, message, status=400):
+        raise AssertionError(message)
+
+    def head_layout(self):
+        self.layout_calls += 1
+        if self.error is not None:
+            raise self.error
+        return self.layout
+
+
+def _speculator(seam, **config) -> Speculator:
+    return Speculator(VeriCacheConfig(**config), seam, Stats(False), torch.Generator().manual_seed(0))
+
+
+def test_the_configured_compressors_are_the_ones_plans_share():
+    spec = _speculator(_Seam())
+    got = spec.planner.configured_compressors()
+    assert [c.name for c in got] == list(AUTO_CANDIDATES)
+    assert all(a is b for a, b in zip(spec.planner.configured_compressors(), got))  # the planner's own
+    named = _speculator(_Seam(), compressor="kivi2", compressor_options="group_size=16")
+    (comp,) = named.planner.configured_compressors()
+    assert comp.name == "kivi2" and comp.options["group_size"] == 16
+
+
+def test_no_warm_up_where_drafting_runs_on_torch():
+    seam = _Seam(device="cpu")
+    _speculator(seam).warm_up_kernels()
+    assert seam.layout_calls == 0  # a CPU worker does not even look at its heads
+    comps = _speculator(_Seam()).planner.configured_compressors()
+    assert warm_up(comps, LAYOUT, torch.device("cpu")) is None
+    assert warm_up(comps, LAYOUT, torch.device("cpu"), draft_kernels=False) is None
+
+
+def test_a_failed_warm_up_is_logged_and_the_worker_goes_on(monkeypatch, caplog):
+    monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: True)
+    seam = _Seam(device="cuda", error=RuntimeError("no heads here"))
+    with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.round"):
+        _speculator(seam).warm_up_kernels()
+    assert seam.layout_calls == 1
+    failed = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert failed and "streamingllm, kivi4" in failed[0].getMessage() and "no heads here" in caplog.text
+
+
+def test_a_layout_that_does_not_divide_names_itself():
+    with pytest.raises(ValueError, match="num_q_heads=6, num_kv_heads=4"):
+        HeadLayout(6, 4, 64, torch.float32, torch.float32)
+
+
+def test_the_worker_reads_its_layout_from_the_first_attention_layer():
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from sgl_vericache.sglang.worker import WorkerSeam
+
+    model = nn.Sequential(nn.Linear(4, 4), RadixAttention(num_heads=12, head_dim=128, scaling=0.1, num_kv_heads=4,
+                                                          layer_id=3))
+    buffers = {3: torch.empty(8, 4, 128, dtype=torch.float16)}
+    seam = WorkerSeam.__new__(WorkerSeam)
+    seam.model_runner = SimpleNamespace(model=model, token_to_kv_pool=SimpleNamespace(get_key_buffer=buffers.get),
+                                        model_config=SimpleNamespace(dtype=torch.bfloat16))
+    assert seam.head_layout() == HeadLayout(12, 4, 128, torch.float16, torch.bfloat16)
+    seam.model_runner.model = nn.Linear(4, 4)
+    assert seam.head_layout() is None
