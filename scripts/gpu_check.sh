@@ -5,7 +5,9 @@
 #   1. the kernel checks compiled on CUDA (test/kernel_checks.py, every family)   <= 220 s
 #   2. benchmark/bench_kernels.py: launch search, draft vs full-KV, the loader   <= 260 s
 #   3. issue 29's CUDA-graph decision check, if its test file exists              <= 60 s
-# Results go to $OUT (or ./gpu_check_out): gpu_check.log, kernel_checks.log, bench_kernels.json.
+#   4. benchmark/bench_warm_up.py: the start-up kernel warm-up, cold and restarted <= 90 s
+# Results go to $OUT (or ./gpu_check_out): gpu_check.log, kernel_checks.log, bench_kernels.json,
+# bench_warm_up.json.
 # Each step's failure is logged and the next one still runs; the exit status is the first failure's.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -68,10 +70,15 @@ issue29_cuda_graph_check() {
   fi
 }
 
+warm_up() {
+  step bench_warm_up 90 "$PY" benchmark/bench_warm_up.py --shapes llama3-8b --out "$OUT_DIR/bench_warm_up.json"
+}
+
 log "gpu_check: results in $OUT_DIR"
 environment
 kernel_checks
 bench_kernels
 issue29_cuda_graph_check
+warm_up
 log "gpu_check done in ${SECONDS}s, status $status"
 exit "$status"

@@ -89,3 +89,23 @@ def test_the_worker_reads_its_layout_from_the_first_attention_layer():
     assert seam.head_layout() == HeadLayout(12, 4, 128, torch.float16, torch.bfloat16)
     seam.model_runner.model = nn.Linear(4, 4)
     assert seam.head_layout() is None
+
+
+def test_the_warm_up_benchmark_runs_its_phases(tmp_path):
+    """benchmark/bench_warm_up.py's code paths, under the interpreter (its numbers mean
+    something only compiled, on a GPU: scripts/gpu_check.sh runs it there)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "warm.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(root / "benchmark" / "bench_warm_up.py"), "--smoke", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["compressors"] == list(AUTO_CANDIDATES)
+    assert all(row[k] > 0 for k in ("cold", "restart", "cold_again", "restart_again"))
