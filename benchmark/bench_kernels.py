@@ -67,14 +67,17 @@ TUNE_CONFIGS = [(32, 2, 3), (64, 4, 3), (32, 4, 2), (128, 4, 2), (64, 2, 3)]
 # Each method's default launch first, then what a GPU has yet to time against it, by its
 # offline main loop under Triton 3.6 (the GPU machine's; sass_offline.py --triton 3.6.0): int8
 # with the keys' scores from the query's int8 terms (int8_query: 573 instructions a loop
-# against the default's 697; with words 565); int8 / fp8 codes read as words (asm=2: 8%
-# slower at e399a85; fp8 457 against 479, int8 710 against 697, so int8's comes last); the
+# against the default's 697; with words 565); int8 / fp8 / kivi4 codes read as words (asm=2:
+# 8% slower at e399a85; fp8 457 against 479, int8 710 against 697, kivi4 710 against 693, so
+# int8's and kivi4's come after the fused merge and int64 addressing; with the venv's Triton
+# 3.8, what SGLang 0.5.23's torch brings and users run, words count fewer: 377, 613, 559); the
 # fused split merge; the int64 addressing that int32 offsets within an entry replaced; then
 # the slower alternatives measured before. At gpu_check.sh's budget a method gets 2-4 trials
 # (compiles dominate)
 _WIDE = {"int32_offsets": False}
 TUNE_VARIANTS = {m: [{"half": True}, {"half": True, "fused": True}, {"half": True, **_WIDE},
                      {"half": True, "asm": 0}, {"half": False}] for m in ("kivi4", "kivi2")}
+TUNE_VARIANTS["kivi4"].insert(3, {"half": True, "asm": 2})  # int4 codes read as words: 710 against 693
 TUNE_VARIANTS["fp8"] = [{"half": True}, {"half": True, "asm": 2}, {"half": True, "fused": True},
                         {"half": True, **_WIDE}, {"half": True, "asm": 0}, {"half": False}]
 _Q8 = {"half": True, "int8_query": True}

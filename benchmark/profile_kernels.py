@@ -47,6 +47,8 @@ LAUNCHES = {  # name -> (method, LaunchConfig fields)
     # int8 keys against the query's int8 terms (LaunchConfig.int8_query; not yet timed)
     "int8_half_asm_q8": ("int8", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 1,
                                   "int8_query": True}),
+    # KIVI int4 codes read as 32-bit words (LaunchConfig.asm=2; not yet timed)
+    "kivi4_half_words": ("kivi4", {"block_n": 32, "num_warps": 2, "num_stages": 3, "half": True, "asm": 2}),
 }
 
 

@@ -86,12 +86,12 @@ from sgl_vericache.kernels.packing import FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI
 
 # name -> (FMT, BITS, HALF, ASM, BN, warps, stages); ASM as LaunchConfig.asm. Each quantizer
 # at its measured launch (ops.MEASURED_LAUNCH at e399a85, fp8 at 4 warps as first profiled):
-# fp32 dequantization, half products in Triton code, with inline PTX, and (int8 / fp8) on words
+# fp32 dequantization, half products in Triton code, with inline PTX, and (int8 / fp8 / kivi4) on words
 VARIANTS = {"dense": (FMT_DENSE, 16, False, 0, 32, 4, 2)}
 for _name, _fmt, _bits, _warps in (("int8", FMT_INT8, 8, 2), ("fp8", FMT_FP8, 8, 4), ("kivi4", FMT_KIVI, 4, 2),
                                    ("kivi2", FMT_KIVI, 2, 2)):
     for _suffix, _half, _asm in (("", False, 0), ("_half", True, 0), ("_half_asm", True, 1), ("_half_words", True, 2)):
-        if _fmt != FMT_KIVI or _asm < 2:  # KIVI reads bytes: words are int8 / fp8 only
+        if _name != "kivi2" or _asm < 2:  # kivi2 reads bytes: words are int8 / fp8 / kivi4
             VARIANTS[_name + _suffix] = (_fmt, _bits, _half, _asm, 32, _warps, 3)
 
 
@@ -131,10 +131,11 @@ QUEST_VARIANTS = {
 }
 # what test_kernels.py compiles: each format's default launch on a GPU (half products, inline PTX),
 # for a lone entry and, _addr, for several read in place (and the fused split merge, LaunchConfig.fused,
-# on the dense kernel; int8 keys against the query's int8 terms, LaunchConfig.int8_query)
+# on the dense kernel; int8 keys against the query's int8 terms, LaunchConfig.int8_query; KIVI
+# int4 codes read as words, LaunchConfig.asm=2: its inline PTX assembled by ptxas)
 DEFAULTS = ["dense", "dense_fused", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm",
             *QUEST_VARIANTS]
-DEFAULTS += [f"{name}_addr" for name in DEFAULTS if name != "dense_fused"] + ["int8_half_asm_q8"]
+DEFAULTS += [f"{name}_addr" for name in DEFAULTS if name != "dense_fused"] + ["int8_half_asm_q8", "kivi4_half_words"]
 # name suffixes: _q8 (int8 only: LaunchConfig.int8_query), _fused (LaunchConfig.fused), then
 # _addr (several entries read in place through their address table, packing.pack(in_place=True))
 # or _off64 (int64 offsets within an entry)

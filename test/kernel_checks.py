@@ -32,7 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from sgl_vericache.kernels import ops  # noqa: E402
+from sgl_vericache.kernels.codes import _kivi4_words_f16  # noqa: E402
 from sgl_vericache.kernels.packing import pack, paged_pool  # noqa: E402
 from sgl_vericache.mem_cache.compress import causal_attention, get_compressor  # noqa: E402
 
@@ -310,6 +314,31 @@ def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32) ->
     return err
 
 
+@triton.jit
+def _words_kernel(data_ptr, out_ptr, n, H, BN: tl.constexpr, D: tl.constexpr, PTX: tl.constexpr):
+    tok = tl.program_id(0) * BN + tl.arange(0, BN)
+    h = tl.program_id(1)
+    valid = tok < n
+    x = _kivi4_words_f16(data_ptr, tok.to(tl.int64), h, H, valid, BN, D, PTX)
+    d = tl.arange(0, D)
+    tl.store(out_ptr + ((tok * H + h) * D)[:, None] + d[None, :], x, mask=valid[:, None])
+
+
+def check_kivi4_words(device, ptx: bool) -> float:
+    """codes._kivi4_words_f16 (KIVI int4 read as 32-bit words, LaunchConfig.asm=2) in a
+    kernel of its own against the bytes unpacked in torch: the words' addressing, masked
+    rows and channel order (the join tree), with the Triton decode (the interpreter) or
+    the inline PTX (compiled); test_kernel_ptx.py checks the PTX itself on every byte."""
+    err = 0.0
+    for n, heads, dim in ((37, 2, 64), (16, 3, 128)):
+        data = torch.randint(0, 256, (n, heads, dim // 2), generator=_gen(n), dtype=torch.int32).to(torch.uint8)
+        want = torch.stack([data & 15, data >> 4], -1).reshape(n, heads, dim).to(torch.float16)
+        out = torch.full((n, heads, dim), -1.0, dtype=torch.float16, device=device)
+        _words_kernel[(-(-n // 16), heads)](data.to(device), out, n, heads, BN=16, D=dim, PTX=ptx)
+        err = max(err, _close(out, want, torch.float32, f"kivi4 words n={n} H={heads} D={dim}"))
+    return err
+
+
 class LaunchKeys:
     """While entered, records Triton's compile-cache key (``compute_cache_key`` of its own
     binder: constexprs, dtypes, the integer and alignment specializations, num_warps /
@@ -500,8 +529,14 @@ def _launch_variants() -> list[Case]:
         ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
         ("fp8", {"scale": "token"}, Shape((29, 66, 3), dtype=b16), 2),
     )]
-    # compiled, half products decode codes with inline PTX (asm=2, the default; the
-    # interpreter runs the Triton code, asm=0): asm 0 and 1 compiled too
+    # compiled, half products decode codes with inline PTX (asm=1, the default; the
+    # interpreter runs the Triton code, asm=0): asm 0 and 2 (codes read as words) compiled too
+    cases += [_method_case(*row, interpret=False, half=True, asm=2) for row in (
+        ("kivi4", KIVI, Shape((37, 70, 5), dtype=b16), 2),
+        ("kivi4", {"group_size": 32, "residual_length": 0}, Shape((70, 9), head_dim=128, dtype=f16), 1),
+        ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
+        ("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1),
+    )]
     cases += [_method_case(*row, interpret=False, half=True, asm=1) for row in (
         ("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2),
         ("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1),
@@ -644,6 +679,10 @@ def all_cases() -> list[Case]:
                           family="layouts", tags=("quest",)))
     cases.append(Case("paged full-KV pool", lambda dev: check_paged_pool(Shape((45, 70, 3)), dev), family="layouts",
                       tags=("full",)))
+    cases.append(Case("kivi4 codes read as words", lambda dev: check_kivi4_words(dev, False), family="layouts",
+                      tags=("kivi4", "words")))
+    cases.append(Case("kivi4 codes read as words, inline PTX", lambda dev: check_kivi4_words(dev, True),
+                      family="layouts", interpret=False, tags=("kivi4", "words")))
     cases.append(Case("empty row and lse", check_empty_and_lse, family="layouts", tags=("int8",)))
     cases.append(Case("empty row and lse, fused merge", lambda dev: check_empty_and_lse(
         dev, ops.LaunchConfig(block_n=16, num_splits=2, fused=True)), family="layouts", tags=("int8", "fused")))

@@ -48,7 +48,8 @@ def _sub_f16x2(a: int, b: int) -> int:
 
 
 def run_ptx(text: str, inputs: list[int], n_out: int) -> list[int]:
-    """Execute the asm block: $0..$n_out-1 are outputs, the rest the inputs, all b32."""
+    """Execute the asm block: $0..$n_out-1 are outputs, the rest the inputs, b32 (an output
+    written as a half of ``mov.b32 {lo, hi}, r`` holds 16 bits)."""
     regs = {f"${n_out + i}": v & MASK for i, v in enumerate(inputs)}
 
     def val(tok: str) -> int:
@@ -60,6 +61,11 @@ def run_ptx(text: str, inputs: list[int], n_out: int) -> list[int]:
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
+        split = re.match(r"^\{\s*(\S+)\s*,\s*(\S+)\s*\}\s*,\s*(\S+)$", args.strip())
+        if op == "mov.b32" and split:  # {lo, hi}, r: a 32-bit register into two 16-bit halves
+            value = val(split.group(3))
+            regs[split.group(1)], regs[split.group(2)] = value & 0xFFFF, value >> 16
+            continue
         ops = [a.strip() for a in args.split(",")]
         d, src = ops[0], ops[1:]
         if op == "mov.b32":
@@ -149,6 +155,16 @@ def test_word_ptx_decodes_code_k_of_both_words_into_output_k(ptx, expect):
         lanes = _halves(run_ptx(text, pack, 4))
         want = [x for k in range(4) for x in (expect(w0[k]), expect(w1[k]))]
         assert lanes == want, (w0, w1, lanes, want)
+
+
+def test_kivi4_word_ptx_decodes_channel_k_of_a_word_into_output_k():
+    """One 32-bit word of KIVI int4 codes in (byte j: channel 2j low nibble, 2j + 1 high),
+    eight fp16 outputs, output k = channel k, as _nibble_f16 (the interpreter's twin)."""
+    text = td._KIVI4_WORDS_PTX.value
+    for codes in _words():
+        word = codes[0] | codes[1] << 8 | codes[2] << 16 | codes[3] << 24
+        got = run_ptx(text, [word], 8)
+        assert got == [_f16_bits((word >> (4 * k)) & 15) for k in range(8)], (codes, got)
 
 
 def test_emulator_refuses_what_it_does_not_know():

@@ -250,11 +250,17 @@ def test_default_kernels_compile_for_sm90_without_a_gpu(tmp_path, release):
              if " regs " in line}
     lone = {"dense", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm", "quest_kv", "quest_kv_fused",
             "quest_query", "page_scores_kv", "page_scores_query"}
-    assert set(loops) == lone | {"dense_fused", "int8_half_asm_q8"} | {f"{name}_addr" for name in lone}, out[-3000:]
+    assert set(loops) == lone | {"dense_fused", "int8_half_asm_q8", "kivi4_half_words"} | {
+        f"{name}_addr" for name in lone}, out[-3000:]
     # int8 keys against the query's int8 terms (LaunchConfig.int8_query): no key decode left
     # (offline 695 -> 559 instructions a loop, 697 -> 573 with 3.6); the reason the variant exists
     q8, plain = loops["int8_half_asm_q8"], loops["int8_half_asm"]
     assert q8 <= 0.9 * plain, (q8, plain)
+    # KIVI int4 codes read as words (asm=2): with the venv's Triton the bytes are no longer
+    # unpacked a register each and packed again for the PTX (688 -> 559); Triton 3.6 lays the
+    # words out through shared memory instead (693 -> 710), so only the venv's is held to it
+    if release is None:
+        assert loops["kivi4_half_words"] <= 0.85 * loops["kivi4_half_asm"], loops
     # several entries read in place through their address table: the same main loop as one
     # entry's (the addresses are declared 16-byte aligned; without that no load is vectorized
     # and the dense loop grows from ~210 to ~365 instructions)

@@ -104,6 +104,20 @@ def _kivi_ptx(bits: int) -> str:
     return "\n".join(["{", ".reg .b32 u, v, t, m, o, z;", *lines, "}"])
 
 
+# KIVI int4 codes read as 32-bit words (eight codes each: byte j holds channels 2j, low
+# nibble, and 2j + 1), one word an instance: the word shifted down by 4 (s) puts each byte's
+# high nibble in the low bits of s's byte j, so a permute of byte j of the word and of s into
+# bytes 0 and 2, masked under 1024's exponent, is the pair (channel 2j, channel 2j + 1), 1024
+# subtracted: outputs 2j and 2j + 1 as fp16 halves, consecutive channels in one register
+def _kivi4_words_ptx() -> str:
+    lines = ["shr.u32 s, $8, 4;", "mov.b32 m, 0x000F000F;", "mov.b32 o, 0x64006400;"]
+    for j in range(4):
+        lines += [f"prmt.b32 t, $8, s, {hex((4 + j) * 0x1100 + j * 0x11)};", "lop3.b32 t, t, m, o, 0xEA;",
+                  "sub.f16x2 t, t, o;", f"mov.b32 {{${2 * j}, ${2 * j + 1}}}, t;"]
+    return "\n".join(["{", ".reg .b32 s, t, m, o;", *lines, "}"])
+
+
+_KIVI4_WORDS_PTX = tl.constexpr(_kivi4_words_ptx())
 _INT8_WORDS_PTX = tl.constexpr(_words_ptx("int8"))
 _FP8_WORDS_PTX = tl.constexpr(_words_ptx("fp8"))
 _KIVI4_F16_PTX = tl.constexpr(_kivi_ptx(4))
@@ -138,6 +152,32 @@ def _words_f16_asm(data_ptr, tok, h, H, valid, FMT: tl.constexpr, BN: tl.constex
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=2)
     return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BN, D))
+
+
+@triton.jit
+def _nibble_f16(words, K: tl.constexpr):
+    """Code K (bits 4K .. 4K + 3) of each int32 word as exact fp16."""
+    return _codes_float((words >> (4 * K)) & 15, True)
+
+
+@triton.jit
+def _kivi4_words_f16(data_ptr, tok, h, H, valid, BN: tl.constexpr, D: tl.constexpr, PTX: tl.constexpr):
+    """[BN, D] KIVI int4 codes of rows tok as fp16, in channel order, read as 32-bit words
+    (eight codes each). PTX (compiled): decoded by inline PTX where they are loaded, no byte
+    unpacked into a register of its own and packed again; else the same codes in Triton
+    (the interpreter's twin: the words' addressing and order checked on a CPU)."""
+    w = tl.arange(0, D // 8)
+    words = tl.load(data_ptr.to(tl.pointer_type(tl.int32)) + ((tok * H + h) * (D // 8))[:, None] + w[None, :],
+                    mask=valid[:, None], other=0)
+    if PTX:
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            _KIVI4_WORDS_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        c0, c1, c2, c3 = _nibble_f16(words, 0), _nibble_f16(words, 1), _nibble_f16(words, 2), _nibble_f16(words, 3)
+        c4, c5, c6, c7 = _nibble_f16(words, 4), _nibble_f16(words, 5), _nibble_f16(words, 6), _nibble_f16(words, 7)
+    # channel 8w + 4i + 2j + l is c_(4i + 2j + l): each join adds the fastest dimension
+    x = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(x, (BN, D))
 
 
 @triton.jit

@@ -61,9 +61,11 @@ class LaunchConfig:
     half: Optional[bool] = None
     # compiled half products decode the codes with inline PTX (byte permutes, masks,
     # sub.f16x2, two fp16 lanes an instruction): 1 decodes codes as Triton lays them out; 2
-    # reads int8 / fp8 codes as 32-bit words and decodes them where they are loaded (fewer
-    # instructions with the venv's Triton, but 8% slower than 1 on the H200's Triton 3.6;
-    # KIVI: as 1); 0 the Triton code the interpreter runs (5-12% slower than 1 on the H200)
+    # reads int8 / fp8 / KIVI int4 codes as 32-bit words and decodes them where they are
+    # loaded (KIVI int2: as 1). Offline at sm_90, 2 has fewer instructions a loop with the
+    # venv's Triton 3.8 (kivi4 688 -> 559, int8 695 -> 613, fp8 472 -> 377) and more with
+    # Triton 3.6 (kivi4 693 -> 710, int8 697 -> 710), where int8's was 8% slower than 1 on the
+    # H200; 0 the Triton code the interpreter runs (5-12% slower than 1 on the H200)
     asm: int = 1
     # merge the splits in the decode kernel: the program that finishes a (row, KV head)'s last
     # split merges them (an atomic ticket per (row, KV head)), instead of a second kernel.

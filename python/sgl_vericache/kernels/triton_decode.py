@@ -26,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codes import (_codes_float, _gather_codes, _gather_value_scales, _kivi_f16_asm, _load_codes, _load_dense,
-                    _unpack_codes)
+from .codes import (_codes_float, _gather_codes, _gather_value_scales, _kivi4_words_f16, _kivi_f16_asm,
+                    _load_codes, _load_dense, _unpack_codes)
 
 # The row table (packing.PackedKV.rows) is read by column index: 0 main_start, 1 main_len,
 # 2 rec_start, 3 rec_len, 4 ext_row, 5 ext_base (+ EXT_ADD = extras seen), 6 entry,
@@ -219,6 +219,8 @@ def _load_main(data_ptr, s_ptr, z_ptr, tok, tok0, entry, h, H, valid,
     elif FMT == 1:
         if UNPACK == 1:
             codes = _codes_float(_gather_codes(data_ptr, tok, h, H, valid, BITS, D), HALF)
+        elif HALF and ASM == 2 and BITS == 4:
+            codes = _kivi4_words_f16(data_ptr, tok, h, H, valid, BN, D, True)
         else:
             j = tl.arange(0, D * BITS // 8)
             b = tl.load(data_ptr + ((tok * H + h) * (D * BITS // 8))[:, None] + j[None, :], mask=valid[:, None],
