@@ -62,7 +62,7 @@ class Case:
     name: str
     run: Callable[[torch.device], float]  # returns the max abs error it checked; raises on failure
     family: str  # one of FAMILIES: test_kernels.py runs one subprocess per family
-    interpret: bool = True  # small enough for the interpreter
+    interpret: bool = True  # runs under the interpreter (False: too large for it, or inline PTX)
     tags: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -737,7 +737,7 @@ def run(device: str, only: list[str] | None = None, family: str | None = None, s
     for case in _selected(cases, only, family)[shard[0] :: shard[1]]:
         assert case.family in FAMILIES, case
         if interpreted and not case.interpret:
-            print(f"SKIP  {case.name} (too large for the interpreter)")
+            print(f"SKIP  {case.name} (compiled only: too large for the interpreter, or inline PTX)")
             continue
         t0 = time.perf_counter()
         try:
