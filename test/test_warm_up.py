@@ -70,6 +70,29 @@ def test_a_failed_warm_up_is_logged_and_the_worker_goes_on(monkeypatch, caplog):
     assert failed and "streamingllm, kivi4" in failed[0].getMessage() and "no heads here" in caplog.text
 
 
+@pytest.mark.parametrize("compressor", ["auto", "kivi2"])
+def test_the_worker_warms_its_configured_compressors_with_its_layout(monkeypatch, caplog, compressor):
+    """The wiring around warm_up (which kernel_checks' warm-up cases run on the kernels, for
+    every compressor): the planner's own compressor instances, the seam's layout and device,
+    and a line saying when they are ready."""
+    calls = []
+
+    def fake_warm_up(compressors, layout, device):
+        calls.append((compressors, layout, device))
+        return 1.5
+
+    monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: True)
+    monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_up", fake_warm_up)
+    spec = _speculator(_Seam(device="cuda"), compressor=compressor)
+    with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.round"):
+        spec.warm_up_kernels()
+    ((compressors, layout, device),) = calls
+    assert [a is b for a, b in zip(compressors, spec.planner.configured_compressors())] == [True] * len(compressors)
+    assert layout == LAYOUT and device == "cuda"
+    names = ", ".join(AUTO_CANDIDATES) if compressor == "auto" else compressor
+    assert f"draft kernels for {names} ready in 1.5 s" in caplog.text, caplog.text
+
+
 def test_a_layout_that_does_not_divide_names_itself():
     with pytest.raises(ValueError, match="num_q_heads=6, num_kv_heads=4"):
         HeadLayout(6, 4, 64, torch.float32, torch.float32)

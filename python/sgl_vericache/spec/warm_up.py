@@ -53,13 +53,12 @@ def warm_up(compressors: Sequence[KVCompressor], layout: HeadLayout, device: tor
     or None when this device drafts on the dense torch path (``draft_kernels`` as
     CompressedKVStore takes it: None = the kernels on CUDA)."""
     device = torch.device(device)
-    if draft_kernels is False:
-        return None
-    if draft_kernels is None:
+    if draft_kernels is None:  # as CompressedKVStore decides: the kernels on CUDA, where available
         from sgl_vericache.kernels import draft_attention_available
 
-        if not draft_attention_available(device):
-            return None
+        draft_kernels = device.type == "cuda" and draft_attention_available(device)
+    if not draft_kernels:
+        return None
     from sgl_vericache.kernels import ops
 
     t0 = time.perf_counter()
