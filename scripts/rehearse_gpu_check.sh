@@ -6,8 +6,8 @@
 # version difference before a device session spends its 15 minutes on it. Not part of the
 # test suite (the venv is ~3 GB of wheels, fetched once into $REHEARSE_VENV).
 #   bash scripts/rehearse_gpu_check.sh           # ~2 min once the venv exists
-# numpy is pinned below 2.5: Triton 3.6's interpreter calls int() on one-element arrays,
-# which numpy 2.5 refuses (Triton 3.8 does not); compiled kernels never reach that code.
+# numpy is pinned below 2.4: Triton 3.6's interpreter calls int() on one-element arrays,
+# which numpy 2.4 and 2.5 refuse (Triton 3.8 does not); compiled kernels never reach that code.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${REHEARSE_VENV:-$HOME/.cache/sgl_vericache/rehearse-py312}"
@@ -22,8 +22,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     [ -n "$PY312" ] || { echo "rehearse: no Python 3.12 found (python3.12 on PATH or under ~/.pyenv)" >&2; exit 2; }
     say "creating $VENV with $PY312"
     "$PY312" -m venv "$VENV"
-    say "installing torch 2.11.0, triton 3.6.0, numpy<2.5 (several GB the first time)"
-    "$VENV/bin/pip" install -q "torch==2.11.0" "triton==3.6.0" "numpy<2.5"
+    say "installing torch 2.11.0, triton 3.6.0, numpy<2.4 (several GB the first time)"
+    "$VENV/bin/pip" install -q "torch==2.11.0" "triton==3.6.0" "numpy<2.4"
 fi
 "$VENV/bin/python" - <<'EOF'
 import platform, torch, triton, numpy
