@@ -1,0 +1,184 @@
+"""The draft kernels through CompressedKVStore (kernel_checks' `store` family): rounds on the
+kernels against the same store on its dense torch path, and the start-up warm-up
+(spec/warm_up.py) against the kernel variants later rounds launch, by Triton's own cache
+keys. Imported by kernel_checks.py, which sets up the import path; not a pytest module."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sgl_vericache.kernels import ops
+from sgl_vericache.mem_cache.compress import get_compressor
+
+from kernel_fixtures import KIVI, Shape, _close, _gen, _kv
+
+
+def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32) -> float:
+    """CompressedKVStore on the kernels (draft_kernels=True, what CUDA gets by default) against
+    the same store on its dense torch path: requests of different lengths and compressors
+    drafted together over rounds that grow them, then a teacher-forced round. Requests of one
+    method share its compressor, so the round reads their entries together (in place)."""
+    shape = Shape((0,), kv_heads=2, group=3, dtype=dtype)
+    from sgl_vericache.spec.drafter import CompressedKVStore
+
+    lengths = [70, 23, 41][: len(methods)]
+    kv = [_kv(200, shape, 300 + i) for i in range(len(methods))]
+    kv = [(k.to(device), v.to(device)) for k, v in kv]
+    prompt_q = torch.randn(8, 6, 64, generator=_gen(31)).to(dtype).to(device)
+    made = _round_methods(methods)  # one compressor a method: its requests read together
+    comps = [made[m] for m in methods]
+    stores = [CompressedKVStore(comps[0], num_layers=2, draft_kernels=flag) for flag in (False, True)]
+    err = 0.0
+    for rnd, grow in enumerate((0, 30)):
+        lengths = [n + grow for n in lengths]
+        for st in stores:
+            for i, (k, v) in enumerate(kv):
+                st.sync(i, lengths[i], lambda _, a, b, k=k, v=v: (k[a:b], v[a:b]), compressor=comps[i],
+                        queries=[prompt_q, prompt_q])
+        rids = list(range(len(methods)))[::-1] if rnd % 2 else list(range(len(methods)))
+        g = _gen(40 + rnd)
+        q = torch.randn(3, len(rids), 6, 64, generator=g).to(dtype).to(device)
+        kn, vn = (torch.randn(3, len(rids), 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
+        outs = []
+        for st in stores:
+            st.begin_round(rids, 3)
+            outs.append(torch.stack([st.attend(layer, q[s], kn[s], vn[s], 0.125) for s in range(3) for layer in (0, 1)]))
+        assert stores[0]._kernel_round is None and stores[1]._kernel_round is not None
+        err = max(err, _close(outs[1], outs[0], dtype, f"store round {rnd} {methods}"))
+    if "quest" not in methods:  # teacher forcing one request (Quest selects per query: refused)
+        outs = []
+        for st in stores:
+            st.begin_round([len(methods) - 1], 6)
+            outs.append(torch.cat([st.attend_tokens(0, q[0, :1].expand(4, -1, -1) * torch.arange(1, 5, device=device)
+                                                    [:, None, None].to(dtype), kn[0, :1].expand(4, -1, -1).contiguous(),
+                                                    vn[0, :1].expand(4, -1, -1).contiguous(), 0.125),
+                                   st.attend(0, q[1, :1], kn[1, :1], vn[1, :1], 0.125)]))
+        err = max(err, _close(outs[1], outs[0], dtype, f"store teacher-forced {methods}"))
+    assert stores[1].buffer_nbytes() > 0
+    for st in stores:
+        for rid in range(len(methods)):
+            st.release(rid)
+    assert stores[1].buffer_nbytes() == 0 and stores[1]._kernel_round is None
+    return err
+
+
+class LaunchKeys:
+    """While entered, records Triton's compile-cache key (``compute_cache_key`` of its own
+    binder: constexprs, dtypes, the integer and alignment specializations, num_warps /
+    num_stages) of every launch of the draft kernels, as (kernel, key). Computed from the
+    launch's own arguments for an sm_90 target, so it works under the interpreter too."""
+
+    NAMES = (("td", "_decode_split_kernel"), ("td", "_combine_kernel"), ("tq", "_page_scores_kernel"),
+             ("tq", "_quest_group_kernel"), ("tq", "_quest_split_kernel"))
+
+    def __init__(self):
+        self.keys: set[tuple[str, str]] = set()
+        self._saved = []
+
+    def __enter__(self):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        from sgl_vericache.kernels import triton_decode as td, triton_quest as tq
+
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+        for mod, name in self.NAMES:
+            module = {"td": td, "tq": tq}[mod]
+            kernel = getattr(module, name)
+            jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+            binder = create_function_from_signature(jit.signature, jit.params, backend)
+            self._saved.append((module, name, kernel))
+            setattr(module, name, _Recorded(kernel, name, binder, self.keys))
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, kernel in self._saved:
+            setattr(module, name, kernel)
+        self._saved.clear()
+
+
+class _Recorded:
+    def __init__(self, kernel, name, binder, keys):
+        self.kernel, self.name, self.binder, self.keys = kernel, name, binder, keys
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            from triton.runtime.jit import compute_cache_key
+
+            _, specialization, options = self.binder(*args, **kwargs)
+            self.keys.add((self.name, compute_cache_key({}, specialization, options)))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _compiled_count(device) -> int:
+    """Kernels Triton has compiled for the draft kernels on this device (0 under the interpreter)."""
+    from sgl_vericache.kernels import triton_decode as td, triton_quest as tq
+
+    total = 0
+    for mod, name in LaunchKeys.NAMES:
+        caches = getattr(getattr({"td": td, "tq": tq}[mod], name), "device_caches", None)
+        if caches is not None:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if index in caches:
+                total += len(caches[index][0])
+    return total
+
+
+def _round_methods(methods):
+    """One compressor per method at the small cases' options (Quest pages of 8, KIVI)."""
+    return {m: get_compressor(m, 4.0, **({"page_size": 8} if m == "quest" else {}),
+                              **(KIVI if m.startswith("kivi") else {})) for m in methods}
+
+
+def check_warm_up(methods: tuple[str, ...], device) -> float:
+    """spec.warm_up compiles every kernel variant that later draft rounds launch: rounds of
+    other lengths, batch sizes, draft lengths, a teacher-forced one, requests sharing a
+    compressor and mixing several, after the warm-up, launch no kernel whose Triton cache
+    key the warm-up did not (and on CUDA, compile nothing new)."""
+    from sgl_vericache.spec.drafter import CompressedKVStore
+    from sgl_vericache.spec.warm_up import HeadLayout, warm_up
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = Shape((0,), kv_heads=2, group=3, dtype=dtype)
+    layout = HeadLayout(6, 2, 64, dtype, dtype)
+    with LaunchKeys() as warm:
+        assert warm_up(list(_round_methods(methods).values()), layout, device, draft_kernels=True,
+                       lengths=(120, 70)) is not None
+    names = {name for name, _ in warm.keys}
+    assert "_decode_split_kernel" in names or "_quest_group_kernel" in names, names
+    assert sum(name == "_combine_kernel" for name, _ in warm.keys) == int(math.log2(ops.MAX_SPLITS)), warm.keys
+    compiled = _compiled_count(device)
+    comps = _round_methods(methods)
+    req_methods = [m for m in methods for _ in range(2 if m == methods[0] else 1)]  # the first method twice
+    lengths = [90 + 37 * i for i in range(len(req_methods))]
+    kv = [tuple(t.to(device) for t in _kv(max(lengths) + 40, shape, 500 + i)) for i in range(len(req_methods))]
+    prompt_q = torch.randn(8, 6, 64, generator=_gen(51)).to(dtype).to(device)
+    store = CompressedKVStore(comps[methods[0]], num_layers=2, draft_kernels=True)
+    g = _gen(52)
+    with LaunchKeys() as real:
+        for grow, batch, steps in ((0, [0], 3), (17, list(range(len(req_methods))), 5), (40, [1, 0], 2)):
+            for i, (k, v) in enumerate(kv):
+                store.sync(i, lengths[i] + grow, lambda _, a, b, k=k, v=v: (k[a:b], v[a:b]),
+                           compressor=comps[req_methods[i]], queries=[prompt_q, prompt_q])
+            store.begin_round(batch, steps)
+            for _ in range(steps):
+                q = torch.randn(len(batch), 6, 64, generator=g).to(dtype).to(device)
+                kn, vn = (torch.randn(len(batch), 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
+                for layer in (0, 1):
+                    store.attend(layer, q, kn, vn, 0.125)
+        if "quest" != req_methods[-1]:
+            store.begin_round([len(req_methods) - 1], 4)
+            q = torch.randn(4, 6, 64, generator=g).to(dtype).to(device)
+            kn, vn = (torch.randn(4, 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
+            store.attend_tokens(0, q, kn, vn, 0.125)
+    store.clear()
+    missing = real.keys - warm.keys
+    assert real.keys and not missing, f"{len(missing)} launch variants the warm-up did not compile: " + "; ".join(
+        f"{name} {key[:300]}" for name, key in sorted(missing))
+    assert _compiled_count(device) == compiled, (compiled, _compiled_count(device))
+    return 0.0
