@@ -56,18 +56,15 @@ def warm_up(compressors: Sequence[KVCompressor], layout: HeadLayout, device: tor
     if draft_kernels is None:  # as CompressedKVStore decides: the kernels on CUDA, where available
         from sgl_vericache.kernels import draft_attention_available
 
-        draft_kernels = device.type == "cuda" and draft_attention_available(device)
+        draft_kernels = draft_attention_available(device)  # False off CUDA
     if not draft_kernels:
         return None
     from sgl_vericache.kernels import ops
 
     t0 = time.perf_counter()
     gen = torch.Generator(device="cpu").manual_seed(0)
-    seen = set()
     for comp in compressors:
-        if id(comp) not in seen:
-            seen.add(id(comp))
-            _warm_compressor(comp, layout, device, gen, draft_kernels, lengths)
+        _warm_compressor(comp, layout, device, gen, draft_kernels, lengths)
     ops.warm_merges(layout.num_q_heads, layout.head_dim, layout.q_dtype, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
