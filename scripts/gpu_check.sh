@@ -4,7 +4,8 @@
 # repository root of a working-tree copy, in at most ~8 minutes:
 #   1. the kernel checks compiled on CUDA (test/kernel_checks.py, every family)   <= 220 s
 #   2. benchmark/bench_kernels.py: launch search, draft vs full-KV, the loader   <= 260 s
-#   3. issue 29's CUDA-graph decision check, if its test file exists              <= 60 s
+#   3. the serving path's GPU tests: issue 29's CUDA-graph decision check and the full-KV
+#      parking's CUDA path (side-stream loads, pinned copies)                      <= 60 s each
 #   4. benchmark/bench_warm_up.py: the start-up kernel warm-up, cold and restarted <= 90 s
 # Results go to $OUT (or ./gpu_check_out): gpu_check.log, kernel_checks.log, bench_kernels.json,
 # bench_warm_up.json.
@@ -54,20 +55,22 @@ bench_kernels() {
   step bench_kernels 260 "$PY" benchmark/bench_kernels.py --tune-budget-s 140 --budget-s 210 --out "$OUT_DIR/bench_kernels.json"
 }
 
-# Issue 29 (the CUDA-graph decision): another session writes test/test_gpu_launch.py; this
-# hook runs it with pytest when pytest is installed, else as a plain script.
-issue29_cuda_graph_check() {
-  if [ ! -f test/test_gpu_launch.py ]; then
-    log "issue 29: test/test_gpu_launch.py not present; skipped"
-    return
-  fi
-  if "$PY" -c "import pytest" 2>/dev/null; then
-    local noconf=()  # test/conftest.py imports requests, which a bare machine may lack
-    "$PY" -c "import requests" 2>/dev/null || noconf=(--noconftest)
-    step issue29_cuda_graph 60 "$PY" -m pytest -q -p no:cacheprovider "${noconf[@]}" test/test_gpu_launch.py
-  else
-    step issue29_cuda_graph 60 "$PY" test/test_gpu_launch.py
-  fi
+# The serving path's tests that import no SGLang and have GPU cases: issue 29's CUDA-graph
+# decision (test_gpu_launch.py) and the full-KV parking's CUDA path (test_full_kv_parking.py:
+# pinned host copies, loads on a side stream, a delayed side stream against slot reuse).
+# With pytest when it is installed, else each file as a plain script (its GPU tests).
+gpu_tests() {
+  local noconf=()  # test/conftest.py imports requests, which a bare machine may lack
+  "$PY" -c "import requests" 2>/dev/null || noconf=(--noconftest)
+  local name file
+  for name in issue29_cuda_graph:test/test_gpu_launch.py parking_cuda:test/test_full_kv_parking.py; do
+    file="${name#*:}"
+    if "$PY" -c "import pytest" 2>/dev/null; then
+      step "${name%%:*}" 60 "$PY" -m pytest -q -p no:cacheprovider "${noconf[@]}" "$file"
+    else
+      step "${name%%:*}" 60 "$PY" "$file"
+    fi
+  done
 }
 
 warm_up() {
@@ -78,7 +81,7 @@ log "gpu_check: results in $OUT_DIR"
 environment
 kernel_checks
 bench_kernels
-issue29_cuda_graph_check
+gpu_tests
 warm_up
 log "gpu_check done in ${SECONDS}s, status $status"
 exit "$status"

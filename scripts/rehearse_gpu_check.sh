@@ -2,7 +2,8 @@
 # Rehearse scripts/gpu_check.sh on a CPU with the lent GPU machine's software: a venv of
 # Python 3.12, torch 2.11 and Triton 3.6 (no SGLang, no FlashInfer, no pytest), running
 # what of the check a CPU can: the kernel checks and bench_kernels' / bench_warm_up's code
-# paths under Triton's interpreter, test_gpu_launch.py as a plain script. Catches an API or
+# paths under Triton's interpreter, test_gpu_launch.py and test_full_kv_parking.py as plain
+# scripts (the latter's CPU part: its GPU tests need CUDA). Catches an API or
 # version difference before a device session spends its 15 minutes on it. Not part of the
 # test suite (the venv is ~3 GB of wheels, fetched once into $REHEARSE_VENV).
 #   bash scripts/rehearse_gpu_check.sh           # ~2 min once the venv exists
@@ -49,5 +50,6 @@ run kernel_checks env TRITON_INTERPRET=1 "$VENV/bin/python" test/kernel_checks.p
 run bench_kernels env TRITON_INTERPRET=1 "$VENV/bin/python" benchmark/bench_kernels.py --smoke --out "$OUT_DIR/bench_kernels.json"
 run bench_warm_up env TRITON_INTERPRET=1 "$VENV/bin/python" benchmark/bench_warm_up.py --smoke --out "$OUT_DIR/bench_warm_up.json"
 run test_gpu_launch "$VENV/bin/python" test/test_gpu_launch.py
+run parking_cuda "$VENV/bin/python" test/test_full_kv_parking.py  # its CPU part: the GPU tests need CUDA
 say "done, status $status (logs in $OUT_DIR)"
 exit "$status"

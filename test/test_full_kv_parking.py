@@ -1,12 +1,22 @@
 """Full KV parked on the host between verify rounds (``mem_cache/full_kv_parking.py``), on
-plain tensors: a per-layer pool, a request-to-slot table and a free-list allocator."""
+plain tensors: a per-layer pool, a request-to-slot table and a free-list allocator.
+
+The CUDA path (pinned host copies, loads on a side stream, an event per layer) has tests of
+its own, marked ``gpu``; nothing here imports SGLang, so ``scripts/gpu_check.sh`` runs this
+file on a bare GPU machine, as a script where pytest is missing."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
-import pytest
 import torch
+
+try:
+    import pytest
+except ImportError:  # a bare GPU machine without pytest runs the GPU tests as a script
+    pytest = None
 
 from sgl_vericache.mem_cache.full_kv_parking import FullKVParking, ParkingError
 
@@ -14,18 +24,22 @@ LAYERS, HEADS, DIM, SLOTS = 3, 2, 4, 64
 
 
 class Pool:
-    def __init__(self):
+    def __init__(self, device="cpu"):
         g = torch.Generator().manual_seed(0)
-        self.k = [torch.randn(SLOTS, HEADS, DIM, generator=g) for _ in range(LAYERS)]
-        self.v = [torch.randn(SLOTS, HEADS, DIM, generator=g) for _ in range(LAYERS)]
+        self.device = torch.device(device)
+        self.k = [torch.randn(SLOTS, HEADS, DIM, generator=g).to(device) for _ in range(LAYERS)]
+        self.v = [torch.randn(SLOTS, HEADS, DIM, generator=g).to(device) for _ in range(LAYERS)]
         self.free_slots = list(range(1, SLOTS))  # slot 0 is padding, as in SGLang
-        self.req_to_token = torch.zeros(4, 32, dtype=torch.int32)
+        self.req_to_token = torch.zeros(4, 32, dtype=torch.int32, device=device)
+        self.handed = []  # a weak reference to every slot tensor alloc returned
 
     def alloc(self, n):
         if n > len(self.free_slots):
             return None
         out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
-        return torch.tensor(out, dtype=torch.int64)
+        slots = torch.tensor(out, dtype=torch.int64, device=self.device)
+        self.handed.append(weakref.ref(slots))
+        return slots
 
     def free(self, slots):
         self.free_slots.extend(slots.tolist())
@@ -192,3 +206,98 @@ def test_reservation_is_one_rounds_loads_with_a_limit():
     assert parking.reserved_tokens == 6
     parking.reserve_limit = 100
     assert parking.reserved_tokens == 10  # never more than what is parked
+
+
+def test_a_load_holds_the_slots_its_copies_write_until_finish():
+    """On CUDA the copies are queued on a side stream and run after start_loads returns: a
+    slot tensor they index with, freed meanwhile, would go back to the main stream's allocator
+    and be overwritten by its next kernels while they still read it (the KV would land in
+    other requests' slots). So the load holds every such tensor until finish(), by which
+    time the main stream waits for the copies. Checked here on the CPU path: the copy
+    thread is done and has let go of its arguments, the load still holds them."""
+    pool = Pool()
+    pool.fill_row(0, 8)
+    parking = pool.parking()
+    parking.park("a", 0, 0, 8)
+    pool.handed.clear()
+    parking.start_loads({"a": 0})
+    parking.load.thread.join()
+    gc.collect()
+    assert len(pool.handed) == 1 and pool.handed[0]() is not None, "the load let go of its slots early"
+    parking.finish()
+    gc.collect()
+    assert pool.handed[0]() is None, "finish() keeps the slots alive for ever"
+
+
+def _gpu(test):
+    return pytest.mark.gpu(test) if pytest is not None else test
+
+
+@_gpu
+def test_gpu_park_and_load_on_a_side_stream_is_bit_identical():
+    """The CUDA path itself: pinned host copies on park, the load on a side stream with an
+    event per layer, verify waiting layer by layer; the KV comes back bit-identical into other
+    slots, and the slots the request held are overwritten meanwhile by someone else."""
+    pool = Pool("cuda")
+    pool.fill_row(0, 20)
+    pool.fill_row(1, 6)
+    before = pool.row_kv(0, 5, 20)
+    neighbour = pool.row_kv(1, 0, 6)
+    parking = pool.parking()
+    assert parking.on_cuda and parking.park("a", 0, 5, 20) == 15
+    keys, _ = parking.parked["a"].handle
+    assert keys[0].is_pinned() and keys[0].device.type == "cpu"
+    other = pool.alloc(len(pool.free_slots))
+    for l in range(LAYERS):
+        pool.k[l][other] = 0.0
+        pool.v[l][other] = 0.0
+    pool.free(other.flip(0))  # the request gets slots other than the ones it had
+    assert parking.start_loads({"a": 0}) == 15
+    for layer in range(LAYERS):
+        parking.wait_layer(layer)
+    parking.finish()
+    after = pool.row_kv(0, 5, 20)
+    for (k0, v0), (k1, v1) in zip(before, after):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    for (k0, v0), (k1, v1) in zip(neighbour, pool.row_kv(1, 0, 6)):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1), "a load wrote into another request's slots"
+    assert parking.load is None and not parking.is_parked("a")
+
+
+@_gpu
+def test_gpu_a_delayed_side_stream_still_writes_the_right_slots():
+    """The race the held slots prevent: the side stream is held back (a sleep queued on it
+    before the load), so its copies run only after start_loads has returned and the main
+    stream has gone on allocating and writing small int64 tensors (slot 0 is SGLang's
+    padding). Had the load let go of its slot tensors, the main stream would reuse their
+    memory and the copies would scatter the KV to slot 0."""
+    pool = Pool("cuda")
+    pool.fill_row(0, 24)
+    before = pool.row_kv(0, 0, 24)
+    parking = pool.parking()
+    parking.park("a", 0, 0, 24)
+    padding = [(pool.k[l][0].clone(), pool.v[l][0].clone()) for l in range(LAYERS)]
+    with torch.cuda.stream(parking._stream):
+        torch.cuda._sleep(50_000_000)  # ~25-50 ms of GPU clock: the main stream runs ahead
+    parking.start_loads({"a": 0})
+    scribbles = [torch.zeros(24, dtype=torch.int64, device="cuda") for _ in range(64)]
+    for layer in range(LAYERS):
+        parking.wait_layer(layer)
+    parking.finish()
+    del scribbles
+    after = pool.row_kv(0, 0, 24)
+    for (k0, v0), (k1, v1) in zip(before, after):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1), "the delayed load wrote the wrong slots"
+    for l, (k, v) in enumerate(padding):
+        assert torch.equal(pool.k[l][0], k) and torch.equal(pool.v[l][0], v), "slot 0 was written"
+
+
+if __name__ == "__main__":  # without pytest (a bare GPU machine): the GPU tests, and two CPU ones that need no pytest
+    cpu = (test_park_then_load_is_bit_identical_and_frees_then_retakes_slots,
+           test_a_load_holds_the_slots_its_copies_write_until_finish)
+    gpu = [test for name, test in list(globals().items()) if name.startswith("test_gpu_")]
+    for test in (*cpu, *(gpu if torch.cuda.is_available() else ())):
+        test()
+        print("passed", test.__name__)
+    if not torch.cuda.is_available():
+        print(f"skipped {len(gpu)} GPU tests: no CUDA device")

@@ -133,6 +133,71 @@ def test_full_kv_parked_in_the_host_pool_comes_back_bit_identical(cpu_hicache, l
     assert parking.load_now("b", 0) == 16
 
 
+def test_parked_full_kv_indices_go_where_the_host_pools_io_backend_reads_them(cpu_hicache):
+    """The host pool's allocator keeps host indices in CPU memory; its kernels read them on
+    the GPU, its direct copies want the device indices on the host and both in host order.
+    The parking places them with the cache controller's own ``move_indices`` (SGLang's, bound
+    to a stand-in controller here), as HiCache does before its copies. With the direct
+    backend and a shuffled host free list, the copies see host-ordered indices with the
+    device indices in step, and the KV comes back bit-identical."""
+    from types import MethodType, SimpleNamespace
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    from sgl_vericache.mem_cache.full_kv_parking import FullKVParking
+    from sgl_vericache.sglang.hicache import parking_host_pool
+
+    device, host = _pools("layer_first")
+    host.free_slots = host.free_slots[torch.randperm(len(host.free_slots), generator=torch.Generator().manual_seed(1))]
+    controller = SimpleNamespace(io_backend="direct", mem_pool_host=host, device="cpu")
+    controller.move_indices = MethodType(HiCacheController.move_indices, controller)
+    seen = []
+    for name in ("backup_from_device_all_layer", "load_to_device_per_layer"):
+        def spy(device_pool, host_indices, device_indices, *args, _original=getattr(host, name), _name=name, **kw):
+            seen.append((_name, host_indices.clone(), device_indices.clone()))
+            return _original(device_pool, host_indices, device_indices, *args, **kw)
+        setattr(host, name, spy)
+    req_to_token = torch.zeros(1, 32, dtype=torch.int32)
+    req_to_token[0, :12] = torch.arange(3, 15, dtype=torch.int32)
+    slots = req_to_token[0, :12].to(torch.int64)
+    want = [(_bits(device.k_buffer[l][slots]).clone(), _bits(device.v_buffer[l][slots]).clone())
+            for l in range(LAYERS)]
+    free = list(range(40, 60))
+    parking = FullKVParking(device.get_key_buffer, device.get_value_buffer, LAYERS, req_to_token,
+                            lambda n: torch.tensor([free.pop() for _ in range(n)]), free.extend,
+                            host_pool=parking_host_pool(SimpleNamespace(cache_controller=controller), device))
+    parking.park("a", 0, 0, 12)
+    parking.load_now("a", 0)
+    back = req_to_token[0, :12].to(torch.int64)
+    for l in range(LAYERS):
+        assert torch.equal(_bits(device.k_buffer[l][back]), want[l][0])
+        assert torch.equal(_bits(device.v_buffer[l][back]), want[l][1])
+    assert [name for name, _, _ in seen] == ["backup_from_device_all_layer"] + ["load_to_device_per_layer"] * LAYERS
+    for name, host_indices, device_indices in seen:
+        assert torch.equal(host_indices, host_indices.sort().values), f"{name} got host indices out of host order"
+        assert device_indices.device.type == "cpu"
+
+
+def test_a_staged_page_first_write_back_keeps_its_host_indices_on_the_host():
+    """SGLang's write path leaves CPU host indices to a page_first pool's staged write-back
+    kernel (it copies them itself) and places them for every other copy; so does the parking."""
+    from types import SimpleNamespace
+
+    from sgl_vericache.sglang.hicache import index_placement
+
+    moved = []
+    controller = SimpleNamespace(io_backend="kernel", move_indices=lambda h, d: moved.append(h) or (h + 100, d))
+    pool = SimpleNamespace(layout="page_first", can_use_write_back_jit=True)
+    backup, load = index_placement(controller, pool)
+    h, d = torch.arange(4), torch.arange(4)
+    assert backup(h, d)[0] is h and moved == []
+    assert torch.equal(load(h, d)[0], h + 100) and len(moved) == 1
+    pool.can_use_write_back_jit = False
+    assert torch.equal(backup(h, d)[0], h + 100) and len(moved) == 2
+    pool.layout, pool.can_use_write_back_jit = "layer_first", True
+    assert torch.equal(backup(h, d)[0], h + 100)
+
+
 def test_unsupported_layout_on_cpu_is_refused(cpu_hicache):
     with pytest.raises(ValueError, match="page_first_direct.*layer_first or page_first"):
         _pools("page_first_direct", page_size=4)

@@ -50,8 +50,12 @@ class TensorStore:
         values = [_to_host(self.value_buffer(layer)[slots], self.pin) for layer in range(self.num_layers)]
         return keys, values
 
-    def load_layer(self, handle, layer: int, slots: torch.Tensor) -> None:
-        keys, values = handle
+    def prepare_load(self, handle, slots: torch.Tensor):
+        """What ``load_layer`` reads to put the parked KV into device slots ``slots``."""
+        return handle, slots
+
+    def load_layer(self, plan, layer: int) -> None:
+        (keys, values), slots = plan
         device = self.key_buffer(layer).device
         self.key_buffer(layer)[slots] = keys[layer].to(device, non_blocking=True)
         self.value_buffer(layer)[slots] = values[layer].to(device, non_blocking=True)
@@ -63,24 +67,43 @@ class TensorStore:
         return handle[0][0].shape[0]
 
 
+# (host indices, device indices) -> the same indices where a host pool's copies read them
+Placement = Callable[[torch.Tensor, torch.Tensor], tuple]
+
+
+def _as_given(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple:
+    return host_indices, device_indices
+
+
 class HostPoolStore:
     """Parked KV in SGLang's HiCache host pool (``MHATokenToKVPoolHost``): slots from its
-    allocator, copies by its own backup / per-layer load kernels."""
+    allocator, copies by its own backup / per-layer load kernels. The host pool's allocator
+    hands out host indices in CPU memory; its copies want them where its io backend reads
+    them (on the GPU for its kernels; for direct copies the device indices on the host, in
+    host order): ``place_backup`` / ``place_load`` put them there, as SGLang's cache
+    controller does before each of its own copies (``sglang.hicache.parking_host_pool``)."""
 
     name = "host_pool"
 
-    def __init__(self, host_pool, device_pool, io_backend: str):
+    def __init__(self, host_pool, device_pool, io_backend: str, place_backup: Placement = _as_given,
+                 place_load: Placement = _as_given):
         self.host_pool, self.device_pool, self.io_backend = host_pool, device_pool, io_backend
+        self.place_backup, self.place_load = place_backup, place_load
 
     def put(self, slots: torch.Tensor):
         host_slots = self.host_pool.alloc(len(slots))
         if host_slots is None:
             return None
-        self.host_pool.backup_from_device_all_layer(self.device_pool, host_slots, slots, self.io_backend)
+        host, device = self.place_backup(host_slots, slots)
+        self.host_pool.backup_from_device_all_layer(self.device_pool, host, device, self.io_backend)
         return host_slots
 
-    def load_layer(self, handle, layer: int, slots: torch.Tensor) -> None:
-        self.host_pool.load_to_device_per_layer(self.device_pool, handle, slots, layer, self.io_backend)
+    def prepare_load(self, handle, slots: torch.Tensor):
+        return self.place_load(handle, slots)
+
+    def load_layer(self, plan, layer: int) -> None:
+        host, device = plan
+        self.host_pool.load_to_device_per_layer(self.device_pool, host, device, layer, self.io_backend)
 
     def drop(self, handle) -> None:
         self.host_pool.free(handle)
@@ -103,6 +126,12 @@ class _Load:
 
     rids: list
     num_layers: int
+    # (rid, what the store's load_layer reads): held until finish(). On CUDA the copies run on
+    # a side stream after start_loads returns; a device tensor they index with that was freed
+    # sooner would go back to the main stream's allocator and be overwritten by its next
+    # kernels while the copies still read it. finish() makes the main stream wait for the
+    # last copy before letting go, so what reuses the memory then runs after them.
+    plans: list = field(default_factory=list)
     done: list = field(default_factory=list)  # CPU: threading.Event per layer; CUDA: torch.cuda.Event
     error: list = field(default_factory=list)
     thread: Optional[threading.Thread] = None
@@ -213,15 +242,17 @@ class FullKVParking:
             parked = self.parked[rid]
             self.req_to_token[rows[rid], parked.start:parked.start + parked.n] = slots.to(self.req_to_token.dtype)
         load = _Load(rids, self.num_layers)
+        load.plans = [(rid, self.parked[rid].store.prepare_load(self.parked[rid].handle, slots))
+                      for rid, slots in targets]
         n = sum(self.parked[rid].n for rid in rids)
         self.stats.loads += len(rids)
         self.stats.loaded_tokens += n
         self.stats.bytes_to_device += self._bytes(n)
         if self.on_cuda:
-            self._load_on_stream(load, targets)
+            self._load_on_stream(load)
         else:
             load.done = [threading.Event() for _ in range(self.num_layers)]
-            load.thread = threading.Thread(target=self._load_on_thread, args=(load, targets), daemon=True,
+            load.thread = threading.Thread(target=self._load_on_thread, args=(load,), daemon=True,
                                            name="vericache-full-kv-load")
             load.thread.start()
         self.load = load
@@ -236,16 +267,15 @@ class FullKVParking:
             raise ParkingError(f"no device slots for {n} tokens of parked request {rid!r}")
         return slots
 
-    def _copy_layer(self, layer: int, targets) -> None:
-        for rid, slots in targets:
-            parked = self.parked[rid]
-            parked.store.load_layer(parked.handle, layer, slots)
+    def _copy_layer(self, layer: int, plans) -> None:
+        for rid, plan in plans:
+            self.parked[rid].store.load_layer(plan, layer)
 
-    def _load_on_thread(self, load: _Load, targets) -> None:
+    def _load_on_thread(self, load: _Load) -> None:
         t0 = time.perf_counter()
         try:
             for layer in range(self.num_layers):
-                self._copy_layer(layer, targets)
+                self._copy_layer(layer, load.plans)
                 load.done[layer].set()
         except BaseException as exc:  # surfaced to the waiting verify, never swallowed
             load.error.append(exc)
@@ -254,12 +284,12 @@ class FullKVParking:
         finally:
             self.stats.load_seconds += time.perf_counter() - t0
 
-    def _load_on_stream(self, load: _Load, targets) -> None:
+    def _load_on_stream(self, load: _Load) -> None:
         t0 = time.perf_counter()
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             for layer in range(self.num_layers):
-                self._copy_layer(layer, targets)
+                self._copy_layer(layer, load.plans)
                 event = torch.cuda.Event()
                 event.record(self._stream)
                 load.done.append(event)

@@ -3,7 +3,8 @@
 Touches ``pool_host.mha.MHATokenToKVPoolHost`` (``__init__``, ``backup_from_device_all_layer``,
 ``load_to_device_per_layer``: a CPU device pool gets an unpinned host pool and index copies,
 SGLang's copy kernels being CUDA-only) and ``HiCacheController.start_loading`` (timed, as
-``vericache:full_kv_load_seconds``).
+``vericache:full_kv_load_seconds``); full KV parked in the host pool has its copies' indices
+placed by the controller's ``move_indices``, as its own copies do.
 """
 
 from __future__ import annotations
@@ -112,4 +113,27 @@ def parking_host_pool(tree, device_pool):
     host = getattr(controller, "mem_pool_host", None)
     pools = [e.host_pool for e in host.entries] if hasattr(host, "entries") else [host]
     kv = next((p for p in pools if isinstance(p, MHATokenToKVPoolHost)), None)
-    return None if kv is None else HostPoolStore(kv, device_pool, controller.io_backend)
+    if kv is None:
+        return None
+    place_backup, place_load = index_placement(controller, kv)
+    return HostPoolStore(kv, device_pool, controller.io_backend, place_backup, place_load)
+
+
+def index_placement(controller, kv_pool):
+    """Where the host pool's copies want their indices, as HiCache's controller places them
+    before its own copies (``HiCacheController.move_indices``): for its kernels the host
+    indices on the device (its allocator keeps them in CPU memory), for direct copies the
+    device indices on the host and both in host order. Its write path keeps CPU host
+    indices for a page_first pool's staged write-back kernel (``_move_write_operation``),
+    so a backup there does too. Returns (for a backup, for a load)."""
+
+    def place_load(host_indices, device_indices):
+        return controller.move_indices(host_indices, device_indices)
+
+    def place_backup(host_indices, device_indices):
+        if (controller.io_backend == "kernel" and kv_pool.layout == "page_first"
+                and getattr(kv_pool, "can_use_write_back_jit", False)):
+            return host_indices, device_indices
+        return controller.move_indices(host_indices, device_indices)
+
+    return place_backup, place_load
