@@ -363,6 +363,35 @@ def test_narrow_rows_of_a_verify_batch_keeps_each_rows_tokens():
     assert int(fb.num_token_non_padded) == 6
 
 
+def test_draft_passes_turn_sglangs_fused_rotary_kv_write_off(monkeypatch):
+    """On CUDA with a bfloat16 pool, Qwen3-MoE, gpt-oss and others write K/V inside their
+    rotary embedding at the batch's write slots when ``enable_fused_set_kv_buffer`` says so.
+    A draft pass has no write slots and writes no pool: while a worker drafts the models are
+    told the fused write is off (a module imported before the install included); otherwise
+    SGLang's choice stands. The GPU is stood in for by the function's own inputs."""
+    from types import SimpleNamespace
+
+    import sglang.srt.models.qwen3_moe as imported_before
+    from sglang.srt.models import utils
+
+    from sgl_vericache.sglang.forward import install_unfused_draft_kv
+    from sgl_vericache.sglang.runtime import Runtime
+
+    runtime = Runtime()
+    install_unfused_draft_kv(runtime)
+    import sglang.srt.models.gpt_oss as imported_after
+
+    monkeypatch.setattr(utils, "_is_cuda", True)
+    monkeypatch.setattr(utils, "get_token_to_kv_pool", lambda: SimpleNamespace(dtype=torch.bfloat16))
+    monkeypatch.setattr(utils, "is_cp_active", lambda fb: False)
+    fb = SimpleNamespace(dcp_kv_mask=None)
+    for module in (utils, imported_before, imported_after):
+        assert module.enable_fused_set_kv_buffer(fb) is True, module.__name__  # SGLang's choice here
+        runtime.drafting = True
+        assert module.enable_fused_set_kv_buffer(fb) is False, module.__name__
+        runtime.drafting = False
+
+
 def test_cpu_stand_in_serves_ops_and_refuses_unknown_ones():
     code = (
         "import sgl_kernel, torch\n"

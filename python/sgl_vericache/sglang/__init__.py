@@ -65,6 +65,7 @@ def register_all() -> Runtime:
     if vc.deterministic:
         installs.append(linear.install_row_invariant_forward)  # row-invariant weight products
     installs.append(forward.install_narrowed_verify)  # staggered verifies run their verifying rows only
+    installs.append(forward.install_unfused_draft_kv)  # draft passes: no KV written in the rotary embedding
     for install in installs:
         install(runtime)
     if not vc.deterministic:

@@ -4,13 +4,15 @@ that verify.
 Touches ``ForwardBatch`` (built from the ScheduleBatch, run in DECODE mode with our draft
 attention backend; narrowed row by row), ``forward_context`` (which backend a forward
 uses), ``ModelRunner.forward`` (a staggered round's verify runs over its verifying rows
-only) and NGRAM's ``NgramVerifyInput`` stride (``widen_draft_input``).
+only), ``models.utils.enable_fused_set_kv_buffer`` (off in draft passes) and NGRAM's
+``NgramVerifyInput`` stride (``widen_draft_input``).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -178,3 +180,30 @@ def widen_draft_input(info, bs: int, width: int, max_width: int) -> None:
     padded[:, :width] = tokens
     info.accept_tokens = padded.flatten()
     info.draft_token_num = info.num_tokens_per_req = info.num_tokens_for_logprob_per_req = max_width
+
+
+def install_unfused_draft_kv(runtime: Runtime) -> None:
+    """Draft passes write no KV. On CUDA with a bfloat16 pool several of SGLang's models
+    (Qwen3-MoE, gpt-oss, Bailing-MoE, SDAR, Mellum, LLaDA2) write K/V into the pool inside
+    their rotary embedding, at the batch's ``out_cache_loc``, when
+    ``models.utils.enable_fused_set_kv_buffer`` says so; a draft pass has no write slots
+    (None, which the fused op refuses: the first round would take the scheduler down) and
+    must not write the pool anyway. While a worker drafts the models are told the fused
+    write is off, so they hand k and v to attention, which the draft backend reads and never
+    stores. Verify and plain forwards keep SGLang's choice. Patched where the models look
+    it up: ``models.utils`` (a model module imported later takes it from there) and every
+    model module already imported with its own reference."""
+    from sglang.srt.models import utils
+
+    def make(original):
+        def enable_fused_set_kv_buffer(forward_batch):
+            if enable_fused_set_kv_buffer.runtime.drafting:
+                return False
+            return original(forward_batch)
+
+        return enable_fused_set_kv_buffer
+
+    patch(utils, "enable_fused_set_kv_buffer", runtime, make)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("sglang.srt.models.") and callable(getattr(module, "enable_fused_set_kv_buffer", None)):
+            patch(module, "enable_fused_set_kv_buffer", runtime, make)
