@@ -435,6 +435,19 @@ def test_bad_per_request_override_is_refused(vc_engine, default_model_path):
     assert len(good["output_ids"]) == 8
 
 
+def test_prompt_queries_of_requests_finished_at_prefill_are_let_go(vc_engine, default_model_path):
+    """SnapKV / H2O requests keep their last prompt queries from prefill to their first
+    round, which uses them. A request that ends at its prefill (one token asked) never has
+    a round: its queries go at the next forward, not never (they were kept for ever)."""
+    ids = _input_ids(default_model_path, prompt_set(1)[:2])
+    params = [{"max_new_tokens": 1, "temperature": 0, "custom_params": {"vericache_compressor": c}}
+              for c in ("snapkv", "h2o")]
+    outs = vc_engine.generate(input_ids=ids, sampling_params=params)
+    assert [len(o["output_ids"]) for o in outs] == [1, 1]
+    vc_engine.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 2, "temperature": 0})
+    assert _vericache_state(vc_engine)["captured_query_requests"] == 0
+
+
 def test_streaming_while_verifies_are_staggered(reference, vc_engine, default_model_path):
     """Three requests stream at once past the 64-token budget, so they take turns verifying:
     every chunk brings new tokens (an iteration a request only drafted in sends nothing) and

@@ -4,6 +4,8 @@
   replay from a graph captured for the target's attention. The launcher adds
   --disable-cuda-graph; an engine built another way with graphs on a CUDA device is refused.
 - A sampled round keeps its generator and tensors on the logits' device.
+- The adaptive planner's step times wait for the device: on CUDA a host clock read right
+  after a forward times its launches (``spec.round.device_clock``).
 
 Imports nothing from SGLang, so scripts/gpu_check.sh can run it on a bare GPU machine.
 """
@@ -21,7 +23,8 @@ except ImportError:  # a bare GPU machine without pytest runs this file as a scr
     pytest = None
 
 from sgl_vericache.config import VeriCacheConfig
-from sgl_vericache.sglang.server import apply_vericache_flags, check_cuda_graphs
+from sgl_vericache.sglang.server import apply_vericache_flags, check_cuda_graphs, check_kv_cache_dtype
+from sgl_vericache.spec.round import device_clock
 from sgl_vericache.spec.sampled_round import SampledRound
 
 
@@ -40,6 +43,17 @@ def test_a_vericache_worker_refuses_cuda_graphs_on_cuda():
         check_cuda_graphs(True, "cuda:1")
     check_cuda_graphs(False, "cuda")
     check_cuda_graphs(True, "cpu")  # no graphs exist on a CPU device
+
+
+def test_a_vericache_worker_refuses_a_quantized_full_kv_pool():
+    """--kv-cache-dtype fp8_* (CUDA only) stores the pool in fp8: rounds compress and read it
+    as the model's float dtypes, so the worker refuses it at start, naming what it accepts."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        check_kv_cache_dtype(dtype)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
+        name = str(dtype).removeprefix("torch.")
+        with _raises(ValueError, f"in float32, bfloat16, float16, not {name}; pass --kv-cache-dtype auto"):
+            check_kv_cache_dtype(dtype)
 
 
 class _Params:
@@ -108,6 +122,37 @@ def _raises(kind, pattern):
 def test_a_sampled_round_keeps_its_tensors_on_the_gpu():
     rnd = _sampled_round_on("cuda")
     assert [d.type for d in rnd._generators] == ["cuda"]  # one generator, seeded from the CPU one
+
+
+def test_the_step_clock_waits_for_the_current_cuda_stream_only_on_cuda():
+    calls = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            calls.append(self.device)
+
+    real = torch.cuda.current_stream
+    torch.cuda.current_stream = Stream  # stands in on a machine without CUDA
+    try:
+        device_clock(torch.device("cpu"))
+        device_clock(None)
+        assert calls == []
+        device_clock(torch.device("cuda", 1))
+        device_clock("cuda")
+        assert calls == [torch.device("cuda", 1), "cuda"]
+    finally:
+        torch.cuda.current_stream = real
+
+
+@_gpu
+def test_gpu_the_step_clock_counts_queued_kernels():
+    torch.cuda.synchronize()
+    t0 = device_clock("cuda")
+    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU clock, queued: the host goes on at once
+    assert device_clock("cuda") - t0 > 0.02, "the clock did not wait for the queued kernel"
 
 
 if __name__ == "__main__":  # without pytest: every test here, the GPU one where CUDA exists

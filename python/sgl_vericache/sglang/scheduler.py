@@ -201,6 +201,7 @@ def install_internal_state(runtime: Runtime) -> None:
             if speculator is not None:
                 if speculator.tier is not None:  # its threads count between iterations too
                     speculator.stats.tier(speculator.tier)
+                speculator.stats.gauge("captured_query_requests", len(speculator.queries))
                 state["vericache"] = speculator.stats.snapshot()
             # every engine, speculation on or off (see install_keep_preempted_kv)
             state["vericache_preempted"] = {"requests": rt.preempted_requests, "kept_tokens": rt.preempted_kept_tokens}

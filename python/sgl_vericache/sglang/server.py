@@ -50,6 +50,21 @@ def check_cuda_graphs(cuda_graphs: bool, device: str) -> None:
                          "sets it")
 
 
+def check_kv_cache_dtype(dtype) -> None:
+    """Every round compresses the full KV and the draft's attention reads it in the model's
+    float dtypes: a pool stored quantized (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``, CUDA
+    only, or ``auto`` resolved to fp8 from a checkpoint) would fail the first round and take
+    the scheduler with it. Refused when the worker starts instead."""
+    from sgl_vericache.mem_cache.compress.base import SUPPORTED_DTYPES
+
+    accepted = [str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES]
+    name = str(dtype).removeprefix("torch.")
+    if name not in accepted:
+        raise ValueError(f"--speculative-algorithm VERICACHE needs a full KV pool in {', '.join(accepted)}, "
+                         f"not {name}; pass --kv-cache-dtype auto (with a float16 / bfloat16 / float32 "
+                         "checkpoint) or bfloat16")
+
+
 def flag_value(argv: list[str], flag: str):
     for i, a in enumerate(argv):
         if a == flag and i + 1 < len(argv):

@@ -25,8 +25,8 @@ from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
-from sgl_vericache.sglang.server import check_cuda_graphs, check_parking_args
-from sgl_vericache.spec.round import RoundBatch, Speculator, last_token
+from sgl_vericache.sglang.server import check_cuda_graphs, check_kv_cache_dtype, check_parking_args
+from sgl_vericache.spec.round import RoundBatch, Speculator, device_clock, last_token
 from sgl_vericache.spec.stats import Stats
 
 
@@ -141,10 +141,12 @@ class VeriCacheWorker(NGRAMWorker):
         self.adaptive_controller = None
         self._prev_decode_rids = set()
         self._last_decode_rids = set()  # rids of the last decode iteration (rounds and plain steps)
+        self._capturing = {}  # rid -> Req whose prompt queries were captured and not yet used
         self.plain = False  # this iteration decodes plainly (--vericache-adaptive chose no drafts)
         self.grammar_tree_host = None
         self.cuda_graphs = not getattr(server_args, "disable_cuda_graph", True)
         check_cuda_graphs(self.cuda_graphs, self.device)
+        check_kv_cache_dtype(self.model_runner.kv_cache_dtype)
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
         runtime = self.runtime
         draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
@@ -208,7 +210,10 @@ class VeriCacheWorker(NGRAMWorker):
         if self.verify_backend is None:
             self.verify_backend = attention.make_verify_backend(self.model_runner, self.runtime, self.vc.deterministic)
         spec = self.speculator
+        self._forget_finished_queries()
         capture = batch.forward_mode.is_extend() and spec.needs_queries(batch.reqs)
+        if capture:
+            self._capturing.update((req.rid, req) for req in batch.reqs)
         self.verify_backend.capture = spec.queries if capture else None
         self.verify_backend.capture_rids = [req.rid for req in batch.reqs] if capture else None
         is_round = batch.forward_mode.is_decode() and not self.plain
@@ -225,7 +230,7 @@ class VeriCacheWorker(NGRAMWorker):
             # NGRAM's non-verify branch returns one token per row; the scheduler reads a
             # decode result at the round's row stride, as a round lays its tokens out
             result.next_token_ids = result.next_draft_input.accept_tokens
-            spec.end_plain(time.perf_counter() - t0, self.runtime.load_seconds)
+            spec.end_plain(device_clock(self.device) - t0, self.runtime.load_seconds)
             return result
         lens = result.accept_lens.tolist() if is_round and result.accept_lens is not None else None
         spec.count_round(batch.reqs, lens, deferred, time.perf_counter() - t0, self.runtime.load_seconds)
@@ -261,8 +266,20 @@ class VeriCacheWorker(NGRAMWorker):
         if departed:
             self.speculator.release_departed(departed)
 
+    def _forget_finished_queries(self):
+        """A request finished at its prefill (SGLang marks it after that forward) never
+        drafts: its captured prompt queries (up to MAX_CAPTURED_QUERIES x layers x heads x
+        head dim, on the device) go at the next forward instead of staying for ever."""
+        spec, finished = self.speculator, []
+        for rid, req in list(self._capturing.items()):
+            if rid not in spec.queries or req.finished():
+                del self._capturing[rid]
+                finished += [rid] if req.finished() else []
+        spec.forget_queries(finished)
+
     def clear_cache_pool(self):
         self.speculator.clear()
+        self._capturing.clear()
         self._prev_decode_rids = set()
         self._last_decode_rids = set()
 

@@ -53,6 +53,18 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURED_QUERIES = 512
 
 
+def device_clock(device) -> float:
+    """``time.perf_counter()`` once ``device``'s current stream has run what was queued on
+    it. On CUDA kernels run asynchronously: a host clock read right after a forward, a
+    compression or a layout times their launches, and the adaptive planner's step costs
+    (plain steps, a round's setup against its draft forwards) would be charged to whatever
+    synchronizes next. Only the current stream: HiCache's and the parking's side-stream
+    copies are not this iteration's compute."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter()
+
+
 @dataclass
 class RoundBatch:
     """One decode iteration's batch, as the round sees it (built by the seam)."""
@@ -213,7 +225,16 @@ class Speculator:
             self.prefix_cache.clear()
         return True
 
+    def forget_queries(self, rids) -> None:
+        """Prompt queries captured for requests that will never draft (finished or aborted
+        at their prefill: one token asked, an end token first). They are used and dropped at
+        a request's first round, or when it leaves a decode batch; these never reach one."""
+        for rid in rids:
+            self.queries.pop(rid, None)
+        self.stats.gauge("captured_query_requests", len(self.queries))
+
     def clear(self) -> None:
+        self.queries.clear()
         self.store.clear()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
@@ -260,7 +281,7 @@ class Speculator:
         verifying = self._verifying_rows(batch)
         if self.vc.full_device_budget >= 0:
             self._stage_full_kv(batch, verifying)
-        self.setup_seconds, self.layout_seconds = time.perf_counter() - t_sync, 0.0
+        self.setup_seconds, self.layout_seconds = device_clock(self.seam.device) - t_sync, 0.0
         self.deferred = tuple(i for i, v in enumerate(verifying) if not v)
         roots = [last_token(req) for req in batch.reqs]
         steps = max(lens)
@@ -386,7 +407,7 @@ class Speculator:
             return drafts
         t0 = time.perf_counter()
         self.store.begin_round([batch.reqs[i].rid for i in keep], steps)
-        self.layout_seconds = time.perf_counter() - t0  # a new or rebuilt entry lays out whole
+        self.layout_seconds = device_clock(self.seam.device) - t0  # a new or rebuilt entry lays out whole
         passes = self.seam.passes
         draft_batch = passes.for_rows(batch.source, keep)
         self.sampled = None if batch.greedy else self.seam.sampled_round(batch.source, keep, self.rng)

@@ -85,6 +85,8 @@ class Stats:
         "compressed_prefix_bytes": "Bytes of compressed KV held by the prefix cache",
         "compressed_prefix_entries": "Entries held by the prefix cache",
         "compressed_prefix_spilled": "Entries the prefix cache knows to be in the storage tier (stubs)",
+        "captured_query_requests": "Requests holding prompt queries captured at their prefill for a query-aware "
+                                   "compressor (SnapKV, H2O), until their first round uses them",
     }
 
     def __init__(self, enable_metrics: bool):
@@ -171,6 +173,9 @@ class Stats:
             self.add(name, total - self.totals[name])
         for name, value in (("compressed_prefix_bytes", cache.nbytes), ("compressed_prefix_entries", cache.num_entries),
                             ("compressed_prefix_spilled", cache.num_spilled)):
-            self.gauges[name] = value
-            if name in self._prom:
-                self._prom[name].set(value)
+            self.gauge(name, value)
+
+    def gauge(self, name: str, value) -> None:
+        self.gauges[name] = value
+        if name in self._prom:
+            self._prom[name].set(value)
