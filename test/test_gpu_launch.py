@@ -54,6 +54,13 @@ def test_a_vericache_worker_refuses_a_quantized_full_kv_pool():
         name = str(dtype).removeprefix("torch.")
         with _raises(ValueError, f"in float32, bfloat16, float16, not {name}; pass --kv-cache-dtype auto"):
             check_kv_cache_dtype(dtype)
+    # the launcher refuses the flag before a model loads
+    for value in ("fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "fp4_mx_block16"):
+        with _raises(ValueError, f"--kv-cache-dtype {value} stores the full KV quantized.*auto, bf16, bfloat16"):
+            apply_vericache_flags(VeriCacheConfig(), ["--kv-cache-dtype", value])
+    for value in ("auto", "bf16", "bfloat16"):
+        apply_vericache_flags(VeriCacheConfig(), [f"--kv-cache-dtype={value}"])
+    assert apply_vericache_flags(VeriCacheConfig(enable=False), ["--kv-cache-dtype", "fp8_e4m3"])  # off: SGLang's
 
 
 class _Params:

@@ -199,6 +199,8 @@ def test_prompt_longer_than_context(srv):
     (["--vericache-draft-len", "0"], "--vericache-draft-len 0 is out of range"),
     (["--vericache-compressor", "zip"], "--vericache-compressor 'zip' is not one of"),
     (["--model-path", "/no/such/model"], "no such model directory"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3 stores the full KV quantized"),
+    (["--vericache-full-device-budget", "64", "--page-size", "16"], "needs --page-size 1, not '16'"),
 ])
 def test_launcher_rejects_bad_flags(args, expect):
     r = subprocess.run([sys.executable, "-m", "sgl_vericache.launch_server", *args],

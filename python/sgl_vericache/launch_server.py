@@ -94,7 +94,10 @@ def build_sglang_argv(argv: Sequence[str]) -> tuple[vc_config.VeriCacheConfig, l
     rest = apply_device_defaults(resolve_model_path(list(rest)), on_gpu)
     from sgl_vericache.sglang.server import apply_vericache_flags
 
-    rest = apply_vericache_flags(vc, rest)
+    try:  # flags VeriCache cannot serve with (a quantized KV pool, a parking budget's backend)
+        rest = apply_vericache_flags(vc, rest)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
     return vc, rest
 
 

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 SPEC_ALGORITHM = "VERICACHE"
 RADIX_BACKEND = "vericache"
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")  # SGLang's --kv-cache-dtype values that store floats
 
 
 def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
@@ -25,6 +26,11 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
                 f"{flag} is set by VeriCache (use --vericache-draft-len); pass --no-vericache-enable "
                 "to use another speculative algorithm"
             )
+    kv_dtype = flag_value(argv, "--kv-cache-dtype")
+    if kv_dtype is not None and kv_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kv_dtype} stores the full KV quantized, which VeriCache's rounds "
+                         f"cannot read (they compress and draft from float KV); use one of {', '.join(KV_CACHE_DTYPES)}, or "
+                         "pass --no-vericache-enable")
     extra = []
     if vc.full_device_budget >= 0:
         extra = _parking_flags(argv)
