@@ -93,7 +93,8 @@ class VeriCacheConfig:
         "HiCache storage tier (--hicache-storage-backend, prefetch policy wait_complete or timeout): it drafts "
         "from the prefix's compressed entry (VeriCache's compressed prefix cache), teacher-forcing the rest of "
         "its prompt, and its first rounds verify those drafts once admitted, so the fetch hides drafting. "
-        "Output is unchanged (verify decides every token). 0 = off.", min=0, max=4096,
+        "Output is unchanged (verify decides every token). 0 = off; off with tensor parallelism (its drafts run "
+        "in a time budget, which ranks would spend apart).", min=0, max=4096,
     )
     fetch_draft_tier_fraction: float = _opt(
         0.25, "With a storage tier behind the compressed prefix cache, fetch drafting reads a prefix's "

@@ -12,6 +12,8 @@ runner's pools, read through ``WorkerSeam``.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 
 import torch
@@ -26,8 +28,11 @@ from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
 from sgl_vericache.sglang.server import check_cuda_graphs, check_kv_cache_dtype, check_parking_args
+from sgl_vericache.spec.ranks import first_rank_values
 from sgl_vericache.spec.round import RoundBatch, Speculator, device_clock, last_token
 from sgl_vericache.spec.stats import Stats
+
+logger = logging.getLogger(__name__)
 
 
 class NoCorpus:
@@ -49,6 +54,7 @@ class NoCorpus:
         self._on_departed(rids)
 
 
+
 class WorkerSeam:
     """What the round needs that only SGLang can do, for one worker (see ``spec.round``)."""
 
@@ -60,6 +66,13 @@ class WorkerSeam:
         self.num_layers = self.model_runner.model_config.num_hidden_layers
         self.context_len = self.model_runner.model_config.context_len  # positions verify may reach
         self.passes = forward.DraftPasses(self.model_runner, runtime, draft_weights)
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        self.tp_group = get_tp_group()
+
+    def agree(self, seconds) -> tuple:
+        """Step times every tensor-parallel rank's planner takes alike: the first rank's."""
+        return first_rank_values(seconds, self.tp_group)
 
     def read_kv(self, pool_row: int):
         """``read_kv(layer, start, end)`` over one request-to-token row of the full pool."""
@@ -151,6 +164,12 @@ class VeriCacheWorker(NGRAMWorker):
         runtime = self.runtime
         draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
         self.seam = WorkerSeam(self, runtime, draft_weights)
+        if self.seam.tp_group.world_size > 1 and self.vc.fetch_draft_tokens > 0:
+            # its draft forwards run inside a time budget per poll: tensor-parallel ranks would
+            # run different numbers of them and hang in their all-reduces
+            logger.warning("VeriCache: fetch drafting (--vericache-fetch-draft-tokens) is off with tensor "
+                           "parallelism (--tp-size %d)", self.seam.tp_group.world_size)
+            self.vc = dataclasses.replace(self.vc, fetch_draft_tokens=0)
         rng = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
         self.speculator = Speculator(self.vc, self.seam, Stats(get_observability().enable_metrics), rng)
         if self.vc.warm_up_kernels:

@@ -265,7 +265,9 @@ class Speculator:
         return min(max_width, 1 + max(self.draft_lens(reqs, verified)))
 
     def end_plain(self, seconds: float, load_seconds: float) -> None:
-        """A plain decoding iteration took ``seconds``."""
+        """A plain decoding iteration took ``seconds`` (every tensor-parallel rank's planner
+        takes the first rank's: ``seam.agree``)."""
+        (seconds,) = self.seam.agree((seconds,))
         self.planner.plain_done(seconds)
         self.stats.end_iteration(load_seconds)
 
@@ -314,7 +316,9 @@ class Speculator:
         included; None for a forward that was no round), ``seconds`` the iteration took,
         ``load_seconds`` the process's running total of HiCache load time."""
         if accept_lens is not None:
-            self.planner.round_done(reqs, self.lens, accept_lens, self.forward_seconds, seconds, self.setup_seconds)
+            forward_seconds, seconds, setup_seconds = self.seam.agree((self.forward_seconds, seconds,
+                                                                       self.setup_seconds))
+            self.planner.round_done(reqs, self.lens, accept_lens, forward_seconds, seconds, setup_seconds)
             self.stats.verified(seconds, [n for i, n in enumerate(accept_lens) if i not in deferred])
             self.stats.add("deferred_rows", len(deferred))
             for i, req in enumerate(reqs):
