@@ -689,3 +689,36 @@ def test_planner_prices_arrivals_beside_the_running_batch_not_a_finished_one():
     for req in first:
         req.done = True
     assert planner._running() == []
+
+
+_COSTS_UNDER_A_HASH_SEED = """
+import json
+from sgl_vericache.spec.step_costs import Costs, Row
+c = Costs()
+c.observe_setup([Row("a", 4000, 1000, "h2o")], 0.004)  # one compressor measured before
+rows = [Row("s1", 4000, 1000, "streamingllm"), Row("s2", 4000, 1000, "streamingllm"),
+        Row("s3", 4000, 1000, "streamingllm"), Row("k", 4000, 4000, "kivi4")]
+c.observe_setup(rows, 0.05)
+c.observe_build(rows[2:], 1.3)
+c.observe_residual(rows, 0.9, 0.7)
+print(json.dumps([c.setup_per_row, c.build_per_ktok, sorted(map(str, c.residual.items()))], sort_keys=True))
+"""
+
+
+def test_learned_costs_do_not_depend_on_the_processs_string_hashing():
+    """Tensor-parallel ranks are separate processes, each with its own string-hash seed: the
+    costs they learn from the same samples must be equal, or their planners decide apart (a
+    round on one rank, a plain step on another) and hang in their all-reduces. A compressor
+    not measured yet starts from the others' mean, so an update in a set's order was not."""
+    import os
+    import subprocess
+    import sys
+
+    outs = set()
+    for seed in range(4):
+        env = dict(os.environ, PYTHONHASHSEED=str(seed))
+        r = subprocess.run([sys.executable, "-c", _COSTS_UNDER_A_HASH_SEED], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.add(r.stdout)
+    assert len(outs) == 1, outs

@@ -23,7 +23,8 @@ except ImportError:  # a bare GPU machine without pytest runs this file as a scr
     pytest = None
 
 from sgl_vericache.config import VeriCacheConfig
-from sgl_vericache.sglang.server import apply_vericache_flags, check_cuda_graphs, check_kv_cache_dtype
+from sgl_vericache.sglang.server import (apply_vericache_flags, check_cuda_graphs, check_kv_cache_dtype,
+                                         check_parallelism)
 from sgl_vericache.spec.round import device_clock
 from sgl_vericache.spec.sampled_round import SampledRound
 
@@ -61,6 +62,22 @@ def test_a_vericache_worker_refuses_a_quantized_full_kv_pool():
     for value in ("auto", "bf16", "bfloat16"):
         apply_vericache_flags(VeriCacheConfig(), [f"--kv-cache-dtype={value}"])
     assert apply_vericache_flags(VeriCacheConfig(enable=False), ["--kv-cache-dtype", "fp8_e4m3"])  # off: SGLang's
+
+
+def test_a_vericache_worker_refuses_dp_attention_and_pipeline_stages():
+    """Every rank of a VERICACHE worker must run the same forwards: tensor parallelism does;
+    DP attention (a batch a rank) and pipeline stages are refused, at start and by the
+    launcher."""
+    check_parallelism(False, 1)
+    check_parallelism(False, "1")
+    with _raises(ValueError, "does not support DP attention"):
+        check_parallelism(True, 1)
+    with _raises(ValueError, r"does not support pipeline parallelism \(--pp-size 2\)"):
+        check_parallelism(False, 2)
+    for flag in ("--pp-size", "--pipeline-parallel-size"):
+        with _raises(ValueError, "pipeline parallelism"):
+            apply_vericache_flags(VeriCacheConfig(), [flag, "4"])
+    apply_vericache_flags(VeriCacheConfig(), ["--tp-size", "8", "--pp-size", "1"])
 
 
 class _Params:

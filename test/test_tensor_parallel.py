@@ -96,3 +96,43 @@ def test_the_planner_learns_the_agreed_step_times_not_its_own():
     assert planner.plain == [0.5] and planner.rounds == [(0.1, 0.7, 0.05)]  # what it learned: the first rank's
     spec.count_round([], None, set(), 0.08, 0.0)  # a forward that was no round: nothing to agree on
     assert len(seam.asked) == 2 and len(planner.rounds) == 1
+
+
+class _Group:
+    """A tensor-parallel group of ``world_size`` ranks seen from one of them: a broadcast
+    brings the first rank's tensor (here: 7s) into the caller's, in place."""
+
+    def __init__(self, world_size):
+        self.world_size, self.broadcasts = world_size, 0
+
+    def broadcast(self, t, src=0):
+        assert src == 0
+        self.broadcasts += 1
+        return t.fill_(7)
+
+
+def test_a_sampled_verify_takes_the_first_ranks_acceptance(monkeypatch):
+    """As SGLang's own sampled verify: every rank takes the first rank's accepted tokens and
+    lengths, so ranks that drew apart cannot diverge (one rank a token more: a hang)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.distributed import parallel_state
+
+    from sgl_vericache.sglang.sampling import sampled_verify
+
+    bs, n = 2, 3
+    sampled = SimpleNamespace(accept=lambda c, logits, p, skip: (torch.tensor([1, 0]), torch.arange(bs * n).view(bs, n)))
+    info = SimpleNamespace(acc_additive_penalties=None, acc_scaling_penalties=None, logit_bias=None)
+    args = (sampled, (), SimpleNamespace(draft_token_num=n, draft_token=torch.zeros(bs * n), positions=torch.zeros(bs * n)),
+            SimpleNamespace(reqs=[None] * bs, sampling_info=info),
+            SimpleNamespace(next_token_logits=torch.zeros(bs * n, 5)), None)
+    for world_size in (1, 2):
+        group = _Group(world_size)
+        monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+        predict, accept_lens, accept_index = sampled_verify(*args)
+        if world_size == 1:  # this rank's own: row 0 accepted a draft, row 1 none
+            assert group.broadcasts == 0 and accept_lens.tolist() == [2, 1]
+            assert accept_index.tolist() == [[0, 1, -1], [3, -1, -1]]
+        else:
+            assert group.broadcasts == 3
+            assert all(bool((t == 7).all()) for t in (predict, accept_lens, accept_index))

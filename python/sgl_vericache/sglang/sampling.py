@@ -181,4 +181,11 @@ def sampled_verify(sampled: SampledRound, deferred, verify_input, batch, logits_
         predict[rows] = tokens[b, : k + 1].to(torch.int32)
     accept_lens = (num_acc + 1).to(torch.int32)
     device = logits.device
-    return predict.to(device), accept_lens.to(device), accept_index.to(device)
+    out = predict.to(device), accept_lens.to(device), accept_index.to(device)
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    tp_group = get_tp_group()
+    if tp_group.world_size > 1:  # every tensor-parallel rank takes the first rank's acceptance, as
+        for t in out:  # SGLang's own sampled verify does (ranks that accepted apart would diverge)
+            tp_group.broadcast(t, src=0)
+    return out

@@ -31,6 +31,7 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
         raise ValueError(f"--kv-cache-dtype {kv_dtype} stores the full KV quantized, which VeriCache's rounds "
                          f"cannot read (they compress and draft from float KV); use one of {', '.join(KV_CACHE_DTYPES)}, or "
                          "pass --no-vericache-enable")
+    check_parallelism(False, flag_value(argv, "--pp-size") or flag_value(argv, "--pipeline-parallel-size") or 1)
     extra = []
     if vc.full_device_budget >= 0:
         extra = _parking_flags(argv)
@@ -54,6 +55,19 @@ def check_cuda_graphs(cuda_graphs: bool, device: str) -> None:
         raise ValueError("--speculative-algorithm VERICACHE needs --disable-cuda-graph (draft passes would replay "
                          "graphs captured for the target's attention); python -m sgl_vericache.launch_server "
                          "sets it")
+
+
+def check_parallelism(dp_attention: bool, pp_size) -> None:
+    """Ranks of a VERICACHE worker must run the same forwards: tensor-parallel ranks do (they
+    share one schedule and agree on the planner's step times). Attention data parallelism
+    gives each rank its own batch, so rounds would differ in rows and draft steps; pipeline
+    stages would each need the round's drafts. Neither is supported: refused at start."""
+    if dp_attention:
+        raise ValueError("--speculative-algorithm VERICACHE does not support DP attention (--enable-dp-attention): "
+                         "each rank's own batch would draft its own rounds; use tensor parallelism (--tp-size)")
+    if int(pp_size or 1) != 1:
+        raise ValueError(f"--speculative-algorithm VERICACHE does not support pipeline parallelism (--pp-size "
+                         f"{pp_size}); use --pp-size 1 with tensor parallelism (--tp-size)")
 
 
 def check_kv_cache_dtype(dtype) -> None:

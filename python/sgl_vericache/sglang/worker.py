@@ -27,7 +27,8 @@ from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
-from sgl_vericache.sglang.server import check_cuda_graphs, check_kv_cache_dtype, check_parking_args
+from sgl_vericache.sglang.server import (check_cuda_graphs, check_kv_cache_dtype, check_parallelism,
+                                         check_parking_args)
 from sgl_vericache.spec.ranks import first_rank_values
 from sgl_vericache.spec.round import RoundBatch, Speculator, device_clock, last_token
 from sgl_vericache.spec.stats import Stats
@@ -73,6 +74,12 @@ class WorkerSeam:
     def agree(self, seconds) -> tuple:
         """Step times every tensor-parallel rank's planner takes alike: the first rank's."""
         return first_rank_values(seconds, self.tp_group)
+
+    def agree_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A sampled draft step's tokens, the first tensor-parallel rank's on every rank (the
+        verify's inputs and the KV it writes must be alike; SGLang's sampled verify broadcasts
+        its acceptance the same way). In place; a no-op on one rank."""
+        return self.tp_group.broadcast(tokens, src=0)
 
     def read_kv(self, pool_row: int):
         """``read_kv(layer, start, end)`` over one request-to-token row of the full pool."""
@@ -160,6 +167,7 @@ class VeriCacheWorker(NGRAMWorker):
         self.cuda_graphs = not getattr(server_args, "disable_cuda_graph", True)
         check_cuda_graphs(self.cuda_graphs, self.device)
         check_kv_cache_dtype(self.model_runner.kv_cache_dtype)
+        check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1))
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
         runtime = self.runtime
         draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
@@ -282,8 +290,9 @@ class VeriCacheWorker(NGRAMWorker):
         current = {req.rid for req in batch.reqs}
         departed = self._last_decode_rids - current
         self._last_decode_rids = current
-        if departed:
-            self.speculator.release_departed(departed)
+        if departed:  # in rid order, not a set's (per-process string hashing): the prefix cache's
+            # LRU order follows it, alike on every tensor-parallel rank
+            self.speculator.release_departed(sorted(departed, key=str))
 
     def _forget_finished_queries(self):
         """A request finished at its prefill (SGLang marks it after that forward) never

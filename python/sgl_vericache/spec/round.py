@@ -422,8 +422,10 @@ class Speculator:
         with passes.run(draft_batch, self.store) as forward:
             for step in range(steps):
                 logits = forward(tokens, positions + step)  # [rows, V]
-                tokens = torch.argmax(logits, dim=-1) if self.sampled is None else \
-                    self.sampled.draw(logits, positions + step)
+                if self.sampled is None:
+                    tokens = torch.argmax(logits, dim=-1)
+                else:
+                    tokens = self.seam.agree_tokens(self.sampled.draw(logits, positions + step).contiguous())
                 out[:, step] = tokens.cpu()
         drafts[keep] = out.numpy()
         return drafts

@@ -304,7 +304,7 @@ class Costs:
         lo, hi = self.RESIDUAL_RANGE
         ratio = min(max(seconds / modeled, lo), hi)
         keys = [(r.compressor, context_bucket(r.full_kv)) for r in rows]
-        for key in set(keys):
+        for key in dict.fromkeys(keys):  # in the rows' order (see observe_setup)
             old = self.residual.get(key, 1.0)
             self.residual[key] = old + self.RESIDUAL_RATE * keys.count(key) / len(keys) * (ratio - old)
 
@@ -330,10 +330,16 @@ class Costs:
             return
         predicted = sum(self.setup(r.compressor) for r in rows)
         per_row = min(seconds, 4 * predicted + 0.01 * len(rows)) / len(rows)
-        for name in {r.compressor for r in rows}:
+        # every estimate from the ones before this sample: a compressor not measured yet
+        # starts from the others' mean, which must not depend on which of them moved first
+        # (a set's order follows the process's string hashing, so tensor-parallel ranks
+        # would have learned different costs and decided apart)
+        updates = {}
+        for name in dict.fromkeys(r.compressor for r in rows):
             share = sum(r.compressor == name for r in rows) / len(rows)
             old = self.setup(name)
-            self.setup_per_row[name] = old + self.SETUP_RATE * share * (per_row - old)
+            updates[name] = old + self.SETUP_RATE * share * (per_row - old)
+        self.setup_per_row.update(updates)
 
     def build(self, compressor: str, context: int) -> float:
         """Seconds a row of ``context`` tokens spends building its ``compressor`` entry, once
@@ -352,7 +358,9 @@ class Costs:
         if not new or predicted <= 0 or not (seconds >= 0 and math.isfinite(seconds)):
             return
         ratio = seconds / predicted
-        for name in {r.compressor for r in new}:
+        updates = {}  # from the estimates before this sample, as in observe_setup
+        for name in dict.fromkeys(r.compressor for r in new):
             share = sum(self.build(r.compressor, r.full_kv) for r in new if r.compressor == name) / predicted
             old = self.build(name, 1000)
-            self.build_per_ktok[name] = old * (1 + self.BUILD_RATE * share * (ratio - 1))
+            updates[name] = old * (1 + self.BUILD_RATE * share * (ratio - 1))
+        self.build_per_ktok.update(updates)
