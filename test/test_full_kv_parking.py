@@ -51,9 +51,32 @@ class Pool:
     def fill_row(self, row, n):
         self.req_to_token[row, :n] = self.alloc(n).to(torch.int32)
 
+    def overwrite_free_slots(self, reverse=False):
+        """Someone else takes every free slot, writes zeros there and frees them again (in
+        reverse: the next alloc hands out other slots than the last)."""
+        other = self.alloc(len(self.free_slots))
+        for l in range(LAYERS):
+            self.k[l][other] = 0.0
+            self.v[l][other] = 0.0
+        self.free(other.flip(0) if reverse else other)
+
     def row_kv(self, row, start, end):
         slots = self.req_to_token[row, start:end].to(torch.int64)
         return [(self.k[l][slots].clone(), self.v[l][slots].clone()) for l in range(LAYERS)]
+
+
+
+def _load(parking, rows) -> int:
+    """A round's loads, verify waiting for each layer, then finished."""
+    n = parking.start_loads(rows)
+    for layer in range(LAYERS):
+        parking.wait_layer(layer)
+    parking.finish()
+    return n
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(k0, k1) and torch.equal(v0, v1) for (k0, v0), (k1, v1) in zip(a, b))
 
 
 def test_park_then_load_is_bit_identical_and_frees_then_retakes_slots():
@@ -65,19 +88,9 @@ def test_park_then_load_is_bit_identical_and_frees_then_retakes_slots():
     parking = pool.parking()
     assert parking.park("a", 0, 5, 20) == 15
     assert len(pool.free_slots) == free_before + 15 and parking.reserved_tokens == 15
-    # the freed slots are reused by someone else and overwritten
-    other = pool.alloc(len(pool.free_slots))
-    for l in range(LAYERS):
-        pool.k[l][other] = 0.0
-        pool.v[l][other] = 0.0
-    pool.free(other)
-    assert parking.start_loads({"a": 0}) == 15
-    for layer in range(LAYERS):
-        parking.wait_layer(layer)
-    parking.finish()
-    after = pool.row_kv(0, 5, 20)
-    for (k0, v0), (k1, v1) in zip(before, after):
-        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    pool.overwrite_free_slots()  # the freed slots are reused by someone else and overwritten
+    assert _load(parking, {"a": 0}) == 15
+    assert _same(before, pool.row_kv(0, 5, 20))
     assert torch.equal(pool.req_to_token[0, :5], prefix_slots), "the tree-owned prefix is not touched"
     assert not parking.is_parked("a") and parking.reserved_tokens == 0
     s = parking.stats
@@ -247,20 +260,10 @@ def test_gpu_park_and_load_on_a_side_stream_is_bit_identical():
     assert parking.on_cuda and parking.park("a", 0, 5, 20) == 15
     keys, _ = parking.parked["a"].handle
     assert keys[0].is_pinned() and keys[0].device.type == "cpu"
-    other = pool.alloc(len(pool.free_slots))
-    for l in range(LAYERS):
-        pool.k[l][other] = 0.0
-        pool.v[l][other] = 0.0
-    pool.free(other.flip(0))  # the request gets slots other than the ones it had
-    assert parking.start_loads({"a": 0}) == 15
-    for layer in range(LAYERS):
-        parking.wait_layer(layer)
-    parking.finish()
-    after = pool.row_kv(0, 5, 20)
-    for (k0, v0), (k1, v1) in zip(before, after):
-        assert torch.equal(k0, k1) and torch.equal(v0, v1)
-    for (k0, v0), (k1, v1) in zip(neighbour, pool.row_kv(1, 0, 6)):
-        assert torch.equal(k0, k1) and torch.equal(v0, v1), "a load wrote into another request's slots"
+    pool.overwrite_free_slots(reverse=True)  # the request gets slots other than the ones it had
+    assert _load(parking, {"a": 0}) == 15
+    assert _same(before, pool.row_kv(0, 5, 20))
+    assert _same(neighbour, pool.row_kv(1, 0, 6)), "a load wrote into another request's slots"
     assert parking.load is None and not parking.is_parked("a")
 
 
@@ -285,9 +288,7 @@ def test_gpu_a_delayed_side_stream_still_writes_the_right_slots():
         parking.wait_layer(layer)
     parking.finish()
     del scribbles
-    after = pool.row_kv(0, 0, 24)
-    for (k0, v0), (k1, v1) in zip(before, after):
-        assert torch.equal(k0, k1) and torch.equal(v0, v1), "the delayed load wrote the wrong slots"
+    assert _same(before, pool.row_kv(0, 0, 24)), "the delayed load wrote the wrong slots"
     for l, (k, v) in enumerate(padding):
         assert torch.equal(pool.k[l][0], k) and torch.equal(pool.v[l][0], v), "slot 0 was written"
 
