@@ -450,3 +450,20 @@ def test_same_seed_same_output():
     assert not torch.equal(runs[0], runs[2])
     probs = torch.softmax(torch.randn(100, V), -1)
     assert torch.equal(*(sample_draft(probs, torch.Generator().manual_seed(1))[0] for _ in range(2)))
+
+
+def test_an_undefined_target_distribution_emits_a_token_instead_of_raising():
+    """A row whose target distribution came out undefined (NaN here) must not raise in the
+    final draw: that took the whole server down once under API fuzzing. The row emits its
+    most likely finite token (token 0 if none); the other rows are drawn as before."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, n = 6, 3
+    target = torch.full((3, n, vocab), 1.0 / vocab)
+    target[1] = float("nan")  # row 1: no distribution anywhere
+    target[2, 0] = torch.tensor([0.0, 0.1, float("inf"), 0.7, 0.2, 0.0])  # row 2: an infinite entry
+    draft = torch.full((3, n - 1, vocab), 1.0 / vocab)
+    candidates = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 5, 5]])
+    num_accepted, tokens = rejection_sample_chain(candidates, target, draft, [2, 2, 2], gen)
+    assert num_accepted[1] == 0 and tokens[1, 0] == 0  # nothing accepted against NaN; token 0
+    assert num_accepted[2] == 0 and tokens[2, 0] == 3  # p(5) = 0 rejects; 0.7 is the largest finite entry
+    assert 0 <= int(tokens[0, int(num_accepted[0])]) < vocab

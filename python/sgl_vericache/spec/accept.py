@@ -26,9 +26,12 @@ The rules and what each guarantees:
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # SGLang's SamplingParams turns temperature < 1e-6 into greedy (temperature 1, top_k 1).
 SAMPLING_EPS = 1e-6
@@ -156,11 +159,30 @@ def rejection_sample_chain(
     q_last = torch.where(rejected[:, None], q_padded[rows, num_accepted].float(), 0.0)
     residual = (p_last - q_last).clamp_min(0.0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_last)
+    residual = _drawable(residual)
     last = torch.multinomial(residual, 1, generator=generator).squeeze(1)
     return AcceptResult(num_accepted, _emitted(candidates, num_accepted, last))
 
 
 # --- helpers ------------------------------------------------------------------------------
+
+
+def _drawable(probs: torch.Tensor) -> torch.Tensor:
+    """``probs`` [rows, V], with any row that is no distribution (NaN, infinite or negative
+    entries, or no mass: a target distribution that came out undefined) replaced by a
+    one-hot on its largest finite entry (token 0 if none), so that one request's undefined
+    distribution does not raise in ``torch.multinomial`` and take every request on the
+    server with it. Seen once under API fuzzing (an unseeded n=2 completion); logged."""
+    bad = ~(torch.isfinite(probs).all(-1) & (probs >= 0).all(-1) & (probs.sum(-1) > 0))
+    if not bool(bad.any()):
+        return probs
+    logger.warning("VeriCache: %d row(s) of a sampled verify had no valid target distribution (NaN, infinite "
+                   "or negative probabilities); each emits its most likely finite token", int(bad.sum()))
+    finite = torch.nan_to_num(probs, nan=-1.0, posinf=-1.0, neginf=-1.0)
+    one_hot = torch.zeros_like(probs).scatter_(-1, finite.argmax(-1, keepdim=True), 1.0)
+    return torch.where(bad[:, None], one_hot, probs)
+
+
 
 
 def _max_accept_tensor(max_accept: MaxAccept, bs: int, n: int, device: torch.device) -> torch.Tensor:
