@@ -298,11 +298,10 @@ class VeriCacheWorker(NGRAMWorker):
         """A request finished at its prefill (SGLang marks it after that forward) never
         drafts: its captured prompt queries (up to MAX_CAPTURED_QUERIES x layers x heads x
         head dim, on the device) go at the next forward instead of staying for ever."""
-        spec, finished = self.speculator, []
-        for rid, req in list(self._capturing.items()):
-            if rid not in spec.queries or req.finished():
-                del self._capturing[rid]
-                finished += [rid] if req.finished() else []
+        spec = self.speculator
+        finished = [rid for rid, req in self._capturing.items() if req.finished()]
+        for rid in [r for r in self._capturing if r not in spec.queries] + finished:
+            self._capturing.pop(rid, None)  # used by a round, or never will be
         spec.forget_queries(finished)
 
     def clear_cache_pool(self):

@@ -183,8 +183,6 @@ def _drawable(probs: torch.Tensor) -> torch.Tensor:
     return torch.where(bad[:, None], one_hot, probs)
 
 
-
-
 def _max_accept_tensor(max_accept: MaxAccept, bs: int, n: int, device: torch.device) -> torch.Tensor:
     max_accept = torch.as_tensor(max_accept, dtype=torch.int64, device=device)
     if max_accept.shape != (bs,):
