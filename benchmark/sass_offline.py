@@ -82,6 +82,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from sgl_vericache.kernels import triton_decode as td  # noqa: E402
 from sgl_vericache.kernels import triton_quest as tq  # noqa: E402
+from sgl_vericache.kernels import triton_verify as tv  # noqa: E402
 from sgl_vericache.kernels.packing import FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI  # noqa: E402
 
 # name -> (FMT, BITS, HALF, ASM, BN, warps, stages); ASM as LaunchConfig.asm. Each quantizer
@@ -129,6 +130,19 @@ QUEST_VARIANTS = {
     "page_scores_kv": (tq._page_scores_kernel, _SCORE_ARGS, dict(GROUP=4, PER_KV=True, D=128, BP=64), 0, 4, 2),
     "page_scores_query": (tq._page_scores_kernel, _SCORE_ARGS, dict(GROUP=4, PER_KV=False, D=128, BP=64), 0, 4, 2),
 }
+# the verify kernel (kernels/verify.py) as verify_attention launches it on a bf16 pool, d=128:
+# Llama-3-8B's group of 4 with 5 block tokens (QP 32), Llama-70B/TP8's group of 8 with 9 (QP
+# 128, 8 warps), and under a verify mask (TREE). name -> as QUEST_VARIANTS
+_VERIFY_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "row_ptr": "*i64",
+                "prefix_ptr": "*i64", "live_ptr": "*i32", "mask_ptr": "*u8", "m_ptr": "*fp32", "l_ptr": "*fp32",
+                "acc_ptr": "*fp32", "qk_scale": "fp32", "T": "i32", "H": "i32", "HQ": "i32", "NUM_SPLITS": "i32",
+                "table_stride": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"}
+_VERIFY = dict(GROUP=4, QP=32, D=128, DP=128, BN=32, ROUND=2, DOT=2, TREE=False)
+VERIFY_VARIANTS = {
+    "verify_qp32": (tv._verify_split_kernel, _VERIFY_ARGS, _VERIFY, 32, 4, 2),
+    "verify_qp128": (tv._verify_split_kernel, _VERIFY_ARGS, {**_VERIFY, "GROUP": 8, "QP": 128}, 32, 8, 2),
+    "verify_tree": (tv._verify_split_kernel, _VERIFY_ARGS, {**_VERIFY, "TREE": True}, 32, 4, 2),
+}
 # what test_kernels.py compiles: each format's default launch on a GPU (half products, inline PTX),
 # for a lone entry and, _addr, for several read in place (and the fused split merge, LaunchConfig.fused,
 # on the dense kernel; int8 keys against the query's int8 terms, LaunchConfig.int8_query; KIVI
@@ -136,6 +150,7 @@ QUEST_VARIANTS = {
 DEFAULTS = ["dense", "dense_fused", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm",
             *QUEST_VARIANTS]
 DEFAULTS += [f"{name}_addr" for name in DEFAULTS if name != "dense_fused"] + ["int8_half_asm_q8", "kivi4_half_words"]
+DEFAULTS += list(VERIFY_VARIANTS)
 # name suffixes: _q8 (int8 only: LaunchConfig.int8_query), _fused (LaunchConfig.fused), then
 # _addr (several entries read in place through their address table, packing.pack(in_place=True))
 # or _off64 (int64 offsets within an entry)
@@ -143,11 +158,12 @@ SUFFIXES = ("_q8", "_fused", "_addr", "_off64")
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, warps: int, stages: int, arch: int = 90):
-    """``fn`` compiled for sm_<arch> as a launch would specialize it: constexprs bound and
-    every pointer 16-byte aligned."""
+    """``fn`` compiled for sm_<arch> as a launch would specialize it: constexprs bound, every
+    pointer 16-byte aligned and every stride a multiple of 16 (the verify kernel's pool and
+    token table strides: Triton specializes integer arguments on that at launch)."""
     sig = {**types, **{k: "constexpr" for k in constexprs}}
     names = fn.arg_names
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in types if p.endswith("_ptr")}
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in types if p.endswith("_ptr") or "stride" in p}
     src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps,
                                                                           "num_stages": stages})
@@ -156,6 +172,9 @@ def compile_kernel(fn, types: dict, constexprs: dict, warps: int, stages: int, a
 def compile_any(name: str, arch: int = 90):
     """(compiled kernel, warps, key tokens a main-loop iteration reads; 0: no such loop)."""
     base, flags = split_name(name)
+    if base in VERIFY_VARIANTS:
+        fn, types, constexprs, bn, warps, stages = VERIFY_VARIANTS[base]
+        return compile_kernel(fn, types, constexprs, warps, stages, arch), warps, bn
     if base in QUEST_VARIANTS:
         fn, types, constexprs, bn, warps, stages = QUEST_VARIANTS[base]
         if "OFF32" in fn.arg_names:  # the per-KV-head kernel (the others address in int64)
@@ -238,7 +257,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     int8 = [n for n in VARIANTS if n.startswith("int8")]
     decode = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), "quest_kv", "quest_kv_fused"]
-    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), *QUEST_VARIANTS,
+    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), *QUEST_VARIANTS, *VERIFY_VARIANTS,
              *(f"{n}_off64" for n in decode),
              *(f"{n}_addr" for n in [*decode, "quest_query", "page_scores_kv", "page_scores_query"])]
     ap.add_argument("--only", nargs="*", choices=every, default=every)

@@ -40,6 +40,7 @@ from sgl_vericache.mem_cache.compress import causal_attention, get_compressor  #
 
 from kernel_fixtures import KIVI, SMALL, TOL, Case, Shape, _close, _gen, _kv  # noqa: E402,F401
 from kernel_store_checks import check_store_rounds, check_warm_up  # noqa: E402
+from kernel_verify_checks import verify_cases  # noqa: E402
 
 def _entries(method, options, shape: Shape, device, seed=0):
     """(compressor, one entry per request): compress most of each prompt, append the rest
@@ -241,7 +242,7 @@ def check_kivi4_words(device, ptx: bool) -> float:
 # ---------------------------------------------------------------- the case list
 
 QUANTIZERS = ("kivi4", "kivi2", "int8", "fp8")
-FAMILIES = ("quantizers", "droppers", "layouts", "store", "large")
+FAMILIES = ("quantizers", "droppers", "layouts", "store", "verify", "large")
 
 
 def _label(method, options, shape: Shape, splits) -> str:
@@ -454,7 +455,7 @@ def _sweep() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    cases = _curated() + _sweep() + _launch_variants()
+    cases = _curated() + _sweep() + _launch_variants() + verify_cases()
     cases += [Case(f"{m} teacher-forced rows", lambda dev, m=m, o=o: check_tokens(m, o, Shape((50,)), dev),
                    family="layouts", tags=(m, "tokens"))
               for m, o in (("kivi4", KIVI), ("snapkv", {"window_size": 4, "min_budget": 8}))]
@@ -519,7 +520,7 @@ def run(device: str, only: list[str] | None = None, family: str | None = None, s
     start = time.perf_counter()
     cases = all_cases()
     if not interpreted:  # compiled, most of the time is Triton compiles: what the drafter runs first
-        cases.sort(key=lambda c: ("large", "store", "layouts", "quantizers", "droppers").index(c.family))
+        cases.sort(key=lambda c: ("large", "store", "verify", "layouts", "quantizers", "droppers").index(c.family))
     for case in _selected(cases, only, family)[shard[0] :: shard[1]]:
         assert case.family in FAMILIES, case
         if interpreted and not case.interpret:

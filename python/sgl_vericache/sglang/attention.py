@@ -10,11 +10,16 @@ _run_sdpa_forward_extend`` (the CPU engine's extend, patched for every engine).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
+from sgl_vericache.kernels import verify_kernel_available
 from sgl_vericache.sglang.runtime import Runtime, patch
 from sgl_vericache.spec.round import MAX_CAPTURED_QUERIES
+
+logger = logging.getLogger(__name__)
 
 
 def make_draft_backend(model_runner, store):
@@ -53,7 +58,8 @@ def make_draft_backend(model_runner, store):
 def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = False):
     """The target's attention backend plus a TARGET_VERIFY path: each request's draft
     queries attend over its full verified KV (all visible) and the draft block under the
-    verify mask (a linear chain for VERICACHE: causal). Computed in fp32 per request."""
+    verify mask (a linear chain for VERICACHE: causal). On CUDA one Triton launch for the
+    batch (kernels/verify.py); otherwise, and in deterministic mode, fp32 per request."""
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -70,6 +76,7 @@ def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = Fa
             self.deterministic = deterministic
             self.skip_rows = ()  # rows deferred this round (staggered verifies): no attention
             self.runtime = runtime  # its parking: verify waits for parked KV per layer
+            self.kernel = verify_kernel_available(model_runner.device) and not deterministic
 
         def __getattr__(self, name):
             return getattr(self.inner, name)
@@ -94,6 +101,10 @@ def verify_attention(backend, q, layer, forward_batch):
     parking = backend.runtime.parking
     if parking is not None:
         parking.wait_layer(layer.layer_id)  # parked full KV copied back for this layer
+    if backend.kernel:
+        out = verify_on_kernel(backend, q, layer, forward_batch)
+        if out is not None:
+            return out
     bs = forward_batch.batch_size
     q = q.reshape(bs, -1, hq, d)  # [bs, n, H_q, D]
     n = q.shape[1]
@@ -120,6 +131,35 @@ def verify_attention(backend, q, layer, forward_batch):
             attn_mask=visible, scale=layer.scaling, enable_gqa=hq != keys.shape[1],
         )  # [H_q, n, Dv]
         out[b] = o.transpose(0, 1).to(out.dtype)
+    return out.reshape(bs * n, hq * dv)
+
+
+def verify_on_kernel(backend, q, layer, forward_batch):
+    """verify_attention in one Triton launch (kernels/verify.py) reading the pool where it
+    lies; None (and the torch path from then on, logged once) where the layer does not
+    fit the kernel."""
+    from sgl_vericache.kernels import verify as kv
+
+    hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+    k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    why = kv.unsupported(hq, d, dv, k_cache, v_cache)
+    if why:
+        backend.kernel = False
+        logger.warning("VeriCache verify attention runs per request in torch: the Triton kernel does not take %s", why)
+        return None
+    bs = forward_batch.batch_size
+    n = q.numel() // (bs * hq * d)
+    mask = getattr(forward_batch.spec_info, "custom_mask", None)
+    mask = mask.reshape(bs, n, n) if mask is not None and mask.numel() == bs * n * n else None
+    seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+    longest = int(seq_lens_cpu.max()) + n if seq_lens_cpu is not None and bs else None
+    live = None
+    if backend.skip_rows:  # deferred rows: their full KV stays parked, their logits are not used
+        live = torch.tensor([b not in backend.skip_rows for b in range(bs)], dtype=torch.int32).to(q.device)
+    out = kv.verify_attention(q.reshape(bs, n, hq, d), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
+                              forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling, live=live,
+                              mask=mask, longest=longest)
     return out.reshape(bs * n, hq * dv)
 
 

@@ -1,0 +1,113 @@
+"""Triton split-KV verify attention: a round's verify block over the full paged KV pool.
+
+A verify forward has, for each request b, T query tokens (the last verified token and the
+round's drafts) whose K/V the forward has just written into the pool; token j of the block
+sees the request's verified prefix (prefix_b tokens) and the block's tokens under the verify
+mask (a linear chain: tokens 0..j; TREE: a [B, T, T] mask). Both the prefix and the block
+are read through SGLang's token table (req_to_token: row -> pool slot of each position).
+
+One program handles one request, one KV head and one slice of the request's positions, for
+a chunk of the block's tokens times the KV head's GQA query heads at once: QP query rows
+(token j = c * TQ + i // GROUP, head i % GROUP), so each key block is loaded once for all
+of them (the draft kernel, triton_decode, would load it once per token). The positions are
+split across programs (flash-decoding); partial softmax states go to the same fp32 buffers
+as the draft kernel's and its ``_combine_kernel`` merges them. Products in the pool's dtype
+when the query has it (fp32 accumulation, probabilities rounded to that dtype before P @ V,
+as FlashAttention does), else fp32; softmax in base 2 (qk_scale carries log2 e).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_decode import _dot_in, _mm, _round_to, _softmax_step
+
+
+@triton.jit
+def _pool_rows(ptr, slot, h, stride_t, stride_h, live, D: tl.constexpr, DP: tl.constexpr):
+    """Rows ``slot`` (int64 [BN]) of head h of a [slots, H, D] pool buffer -> [BN, DP]."""
+    d = tl.arange(0, DP)
+    return tl.load(ptr + (slot * stride_t + h * stride_h)[:, None] + d[None, :],
+                   mask=live[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t, visible, h, stride_kt, stride_kh,
+                stride_vt, stride_vh, qk_scale, D: tl.constexpr, DP: tl.constexpr, ROUND: tl.constexpr,
+                DOT: tl.constexpr):
+    """Fold the positions t [BN] (each a position the table holds) into the running state,
+    scores masked where not ``visible`` [QP, BN]."""
+    slot = tl.load(table_ptr + row * table_stride + t).to(tl.int64)
+    every = tl.full(t.shape, 1, tl.int1)
+    k = _dot_in(_round_to(_pool_rows(k_ptr, slot, h, stride_kt, stride_kh, every, D, DP), ROUND), DOT)
+    s = tl.where(visible, _mm(q, tl.trans(k), DOT) * qk_scale, float("-inf"))
+    v = _dot_in(_round_to(_pool_rows(v_ptr, slot, h, stride_vt, stride_vh, every, D, DP), ROUND), DOT)
+    return _softmax_step(m_i, l_i, acc, s, v, DOT)
+
+
+@triton.jit(do_not_specialize=["T", "NUM_SPLITS"])
+def _verify_split_kernel(
+    q_ptr,  # [B * T, HQ, D] the block's queries
+    k_ptr, v_ptr,  # the pool's [slots, H, D] key / value buffers of this layer
+    table_ptr, row_ptr,  # req_to_token [rows, table_stride]; each request's table row [B]
+    prefix_ptr,  # [B] verified tokens before the block (all visible)
+    live_ptr,  # [B] 0: the request is not verified this round (no position is read; its output is zeros)
+    mask_ptr,  # TREE: [B, T, T] the verify mask, nonzero where token j sees block token i
+    m_ptr, l_ptr, acc_ptr,  # partials [B * T, HQ, NUM_SPLITS] (x DP for acc)
+    qk_scale, T, H, HQ, NUM_SPLITS, table_stride,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    GROUP: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
+    ROUND: tl.constexpr, DOT: tl.constexpr, TREE: tl.constexpr,
+):
+    TQ: tl.constexpr = QP // GROUP  # block tokens a program takes
+    chunks = tl.cdiv(T, TQ)
+    b = tl.program_id(0) // chunks
+    c = tl.program_id(0) % chunks
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    prefix = tl.load(prefix_ptr + b).to(tl.int32)
+    live_row = tl.load(live_ptr + b) != 0
+    total = tl.where(live_row, prefix + T, 0)
+    prefix = tl.where(live_row, prefix, 0)
+    row = tl.load(row_ptr + b).to(tl.int64)
+
+    gi = tl.arange(0, QP)
+    j = c * TQ + gi // GROUP  # the query row's token in the block
+    qvalid = (gi < TQ * GROUP) & (j < T)
+    q_rows = (b.to(tl.int64) * T + j) * HQ + h * GROUP + gi % GROUP
+    d = tl.arange(0, DP)
+    q = tl.load(q_ptr + (q_rows * D)[:, None] + d[None, :], mask=qvalid[:, None] & (d < D)[None, :], other=0.0)
+    q = _dot_in(q, DOT)
+    m_i = tl.full([QP], -1.0e30, tl.float32)  # finite: a block all masked makes no NaN
+    l_i = tl.zeros([QP], tl.float32)
+    acc = tl.zeros([QP, DP], tl.float32)
+
+    per_split = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BN) * BN
+    lo = split * per_split
+    hi = tl.minimum(total, lo + per_split)
+    prefix_hi = tl.minimum(hi, prefix)
+    for start in range(lo, prefix_hi, BN):  # the verified prefix: every query row sees it
+        t = start + tl.arange(0, BN)
+        visible = (t < prefix_hi)[None, :]
+        t = tl.minimum(t, prefix_hi - 1)  # positions past the end read the last one again, unseen
+        m_i, l_i, acc = _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t, visible, h,
+                                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, D, DP, ROUND, DOT)
+    for start in range(tl.maximum(lo, prefix), hi, BN):  # the block, under the verify mask
+        t = start + tl.arange(0, BN)
+        live = t < hi
+        i = t - prefix  # the position in the block
+        if TREE:
+            seen = tl.load(mask_ptr + (b.to(tl.int64) * T + j)[:, None] * T + i[None, :],
+                           mask=qvalid[:, None] & live[None, :], other=0) != 0
+        else:
+            seen = i[None, :] <= j[:, None]
+        t = tl.minimum(t, hi - 1)
+        m_i, l_i, acc = _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t,
+                                    seen & live[None, :], h, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                                    D, DP, ROUND, DOT)
+
+    out_rows = q_rows * NUM_SPLITS + split
+    tl.store(m_ptr + out_rows, m_i, mask=qvalid)
+    tl.store(l_ptr + out_rows, l_i, mask=qvalid)
+    tl.store(acc_ptr + (out_rows * DP)[:, None] + d[None, :], acc, mask=qvalid[:, None])

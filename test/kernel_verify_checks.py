@@ -1,0 +1,149 @@
+"""The verify kernel (sgl_vericache.kernels.verify) against SDPA, and the verify backend's two
+paths against each other. Cases for kernel_checks.py (family ``verify``); not a pytest module.
+
+The pool is SGLang's layout: [slots, H_kv, D] buffers, a token table whose rows are
+requests (not in batch order) and whose slots are scattered; each request's block tokens
+sit right after its prefix in the table, as a verify forward writes them.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from sgl_vericache.kernels import verify as kv
+from sgl_vericache.sglang import attention
+
+from kernel_fixtures import Case, Shape, _close, _gen, _kv
+
+SCALE = 0.11
+
+
+def _pool(shape: Shape, tokens: int, device, seed: int = 0):
+    """(k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens) for requests with
+    shape.lengths verified tokens and ``tokens`` block tokens each."""
+    bs = len(shape.lengths)
+    need = sum(shape.lengths) + bs * tokens
+    slots = torch.randperm(need + 13, generator=_gen(seed))
+    k_buffer, v_buffer = _kv(need + 13, shape, seed + 1)
+    table = torch.zeros(bs + 3, max(shape.lengths) + tokens + 5, dtype=torch.int32)
+    rows = torch.randperm(bs + 3, generator=_gen(seed + 2))[:bs]
+    start = 0
+    for b, n in enumerate(shape.lengths):
+        table[rows[b], : n + tokens] = slots[start : start + n + tokens].to(torch.int32)
+        start += n + tokens
+    prefix = torch.tensor(shape.lengths, dtype=torch.int64)
+    return (t.to(device) for t in (k_buffer, v_buffer, table, rows, prefix))
+
+
+def _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live):
+    """fp32 SDPA per request over its gathered K/V: token j sees the prefix and mask[b, j]."""
+    bs, tokens, hq, d = q.shape
+    out = torch.zeros(bs, tokens, hq, d)
+    for b in range(bs):
+        if not live[b]:
+            continue
+        n = int(prefix[b])
+        slots = table[rows[b], : n + tokens].long().cpu()
+        k, v = k_buffer.cpu()[slots].float(), v_buffer.cpu()[slots].float()
+        visible = torch.cat([torch.ones(tokens, n, dtype=torch.bool), mask[b].cpu()], dim=1)
+        o = F.scaled_dot_product_attention(q[b].cpu().float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=visible, scale=SCALE, enable_gqa=hq != k.shape[1])
+        out[b] = o.transpose(0, 1)
+    return out
+
+
+def _mask(bs: int, tokens: int, tree: bool, seed: int) -> torch.Tensor:
+    if not tree:
+        return torch.tril(torch.ones(tokens, tokens, dtype=torch.bool)).expand(bs, tokens, tokens)
+    mask = torch.rand(bs, tokens, tokens, generator=_gen(seed)) < 0.4  # any mask, not only a tree's
+    return mask | torch.eye(tokens, dtype=torch.bool)
+
+
+def check_verify_kernel(shape: Shape, tokens: int, device, tree: bool = False, skip: tuple[int, ...] = (),
+                        num_splits: int = 1, block_n: int = 16, seed: int = 0) -> float:
+    k_buffer, v_buffer, table, rows, prefix = _pool(shape, tokens, device, seed)
+    bs, hq = len(shape.lengths), shape.kv_heads * shape.group
+    q = torch.randn(bs, tokens, hq, shape.head_dim, generator=_gen(seed + 7)).to(shape.dtype).to(device)
+    mask = _mask(bs, tokens, tree, seed + 8)
+    live = torch.tensor([b not in skip for b in range(bs)], dtype=torch.int32)
+    out = kv.verify_attention(q, k_buffer, v_buffer, table, rows, prefix, SCALE, live=live.to(device),
+                              mask=mask.to(device) if tree else None, num_splits=num_splits, block_n=block_n)
+    assert out.dtype == q.dtype and out.shape == q.shape, (out.dtype, out.shape)
+    assert all(bool((out[b] == 0).all()) for b in skip), "a request not verified must get zeros"
+    return _close(out, _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live), shape.dtype,
+                  f"verify T={tokens}")
+
+
+class _Pool:
+    def __init__(self, k_buffer, v_buffer):
+        self.k_buffer, self.v_buffer = k_buffer, v_buffer
+
+    def get_key_buffer(self, layer_id):
+        return self.k_buffer
+
+    def get_value_buffer(self, layer_id):
+        return self.v_buffer
+
+
+def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...] = (), seed: int = 3) -> float:
+    """sglang/attention.py's verify_attention with its kernel on (what CUDA runs) against
+    the same call on its torch path, from the same forward batch, chain mask and deferred rows."""
+    k_buffer, v_buffer, table, rows, prefix = _pool(shape, tokens, device, seed)
+    bs, hq, d = len(shape.lengths), shape.kv_heads * shape.group, shape.head_dim
+    q = torch.randn(bs * tokens, hq * d, generator=_gen(seed + 7)).to(shape.dtype).to(device)
+    layer = SimpleNamespace(tp_q_head_num=hq, qk_head_dim=d, v_head_dim=d, layer_id=0, scaling=SCALE)
+    batch = SimpleNamespace(batch_size=bs, seq_lens=prefix, seq_lens_cpu=prefix.cpu(), req_pool_indices=rows,
+                            spec_info=SimpleNamespace(custom_mask=_mask(bs, tokens, False, 0).flatten().to(device)))
+
+    def backend(kernel: bool):
+        return SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_Pool(k_buffer, v_buffer),
+                               req_to_token_pool=SimpleNamespace(req_to_token=table), skip_rows=frozenset(skip),
+                               deterministic=False, kernel=kernel)
+
+    on = backend(True)
+    got = attention.verify_attention(on, q, layer, batch)
+    assert on.kernel, "the kernel path fell back to torch"
+    ref = attention.verify_attention(backend(False), q, layer, batch)
+    assert got.shape == ref.shape == (bs * tokens, hq * d), (got.shape, ref.shape)
+    return _close(got, ref, shape.dtype, "verify backend, kernel vs torch")
+
+
+def check_verify_refuses(device) -> float:
+    """What the kernel cannot read is refused by name (the backend then keeps torch)."""
+    k = torch.zeros(8, 2, 64, device=device)
+    for why, args in (("head dims", (4, 64, 32, k, k)), ("query heads", (3, 64, 64, k, k)),
+                      ("pool", (4, 64, 64, k.to(torch.int8), k.to(torch.int8)))):
+        reason = kv.unsupported(*args)
+        assert reason and why in reason, (why, reason)
+    assert kv.unsupported(4, 64, 64, k, k) is None
+    return 0.0
+
+
+def verify_cases() -> list[Case]:
+    cases = []
+    for shape, tokens, tree, skip, splits in (
+        (Shape((45, 70, 3)), 4, False, (), 1),  # GQA 3, ragged, prefixes not multiples of the block
+        (Shape((45, 70, 3)), 4, False, (1,), 4),  # a deferred request; splits, one with nothing to read
+        (Shape((0, 33), kv_heads=3, group=1), 1, False, (), 2),  # MHA; an empty prefix; a one-token block
+        (Shape((40, 17), kv_heads=1, group=8, head_dim=128, dtype=torch.bfloat16), 17, True, (), 2),  # 2 chunks
+        (Shape((21,), kv_heads=2, group=3, head_dim=96), 17, True, (), 1),  # head_dim padded to 128
+        (Shape((30, 5), kv_heads=2, group=1, dtype=torch.float16), 6, False, (0,), 2),
+    ):
+        name = (f"verify T={tokens} lengths={list(shape.lengths)} gqa={shape.group} d={shape.head_dim} "
+                f"{str(shape.dtype)[6:]} {'mask' if tree else 'chain'} splits={splits}"
+                + (f" skip={list(skip)}" if skip else ""))
+        cases.append(Case(name, lambda dev, a=(shape, tokens, tree, skip, splits): check_verify_kernel(
+            a[0], a[1], dev, tree=a[2], skip=a[3], num_splits=a[4]), family="verify", tags=("verify",)))
+    cases.append(Case("verify backend kernel vs torch path", lambda dev: check_verify_backend(
+        Shape((50, 9, 31), kv_heads=2, group=4), 5, dev, skip=(1,)), family="verify", tags=("verify",)))
+    cases.append(Case("verify kernel refuses what it cannot read", check_verify_refuses, family="verify",
+                      tags=("verify",)))
+    big = Shape((4000, 1500, 777), kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16)
+    for tokens in (5, 17):
+        cases.append(Case(f"verify default launch T={tokens} lengths={list(big.lengths)}", lambda dev, t=tokens:
+                          check_verify_kernel(big, t, dev, num_splits=None, block_n=kv.VERIFY_BLOCK_N),
+                          family="large", interpret=False, tags=("verify",)))
+    return cases
