@@ -10,6 +10,11 @@ of one layer mid-round (16 provisional draft tokens):
            choice + attention over the chosen pages)
   full     torch SDPA (enable_gqa) and a Triton paged decode over SGLang's pool layout
            ([slots, H, D] + a token table), both over the whole KV
+  verify   the verify forward's attention over the same pool: a block of 5 or 17 tokens
+           (the last verified token + the drafts) per request, each seeing the prefix and
+           the block's tokens before it: the Triton verify kernel (kernels/verify.py, what
+           sglang/attention.py runs on CUDA) and, up to 32k x 8, the per-request fp32 SDPA
+           path it replaced; ``decode_steps``: its time in full-KV decode steps
 
 Each row: median GPU time (a CUDA graph of the call, L2 flushed before each replay), bytes
 the call reads, achieved GB/s and share of the HBM peak (--hbm-tbps, H200 4.8), and the
@@ -85,6 +90,7 @@ TUNE_VARIANTS["int8"] = [{"half": True}, _Q8, {**_Q8, "asm": 2}, *TUNE_VARIANTS[
                          *TUNE_VARIANTS["fp8"][4:]]
 TUNE_VARIANTS["droppers"] = [{}, _WIDE, {"fused": True}]
 EXTRAS = 16  # provisional tokens seen (draft step 16 of 32)
+VERIFY_TOKENS = (5, 17)  # verify blocks: a short adaptive round, and the default draft length's (16 + 1)
 RATIO = 4.0
 
 
@@ -177,6 +183,8 @@ class Timer:
             return 1e3 * (time.perf_counter() - t0), "eager, cpu"
         torch.cuda.synchronize()
         run, mode = fn, "eager"
+        if getattr(fn, "host_syncs", False):  # reads device values on the host: no graph can hold it
+            return self._replays(run), "eager (it syncs with the host)"
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -189,6 +197,9 @@ class Timer:
             run, mode = graph.replay, "cuda graph"
         except Exception as exc:  # noqa: BLE001 - time it eagerly instead, and say so
             mode = f"eager ({type(exc).__name__}: {exc})"[:200]
+        return self._replays(run), mode
+
+    def _replays(self, run) -> float:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(self.reps)]
         for start, end in events:
@@ -198,7 +209,7 @@ class Timer:
             end.record()
         torch.cuda.synchronize()
         times = sorted(s.elapsed_time(e) for s, e in events)
-        return times[len(times) // 2], mode
+        return times[len(times) // 2]
 
 
 # ---------------------------------------------------------------- one combination
@@ -241,11 +252,52 @@ def bench_combo(shape_name, context, batch, timer, configs, device, gen) -> list
         q4 = q[:, :, None, :]
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa: E731
         rows.append(_measure(base, "full", "torch_sdpa", lambda: (sdpa, full), timer))
+    for tokens in VERIFY_TOKENS:  # a round's verify block over the same pool (its last positions)
+        rows.append(_measure(base, "verify", f"triton_verify_t{tokens}", lambda t=tokens: _verify_call(
+            pool_k, pool_v, context, hq, t, True, device, gen), timer))
+    if batch * context <= 32768 * 8:  # the per-request fp32 SDPA path it replaces on CUDA (slow: one size)
+        rows.append(_measure(base, "verify", f"torch_verify_t{VERIFY_TOKENS[-1]}", lambda: _verify_call(
+            pool_k, pool_v, context, hq, VERIFY_TOKENS[-1], False, device, gen), timer))
     timed = [r for r in rows if "ms" in r]
     best_full = min((r["ms"] for r in timed if r["kind"] == "full"), default=None)
     for r in timed:
         r["speedup_vs_full"] = best_full / r["ms"] if best_full else None
+        if r["kind"] == "verify" and best_full:
+            r["decode_steps"] = r["ms"] / best_full  # what one verify costs, in full-KV decode steps
     return rows
+
+
+def _verify_call(pool_k, pool_v, context, hq, tokens, kernel, device, gen):
+    """sglang/attention.py's verify_attention (kernel: its CUDA path, kernels/verify.py; else
+    its per-request torch path) for a block of ``tokens`` at the end of each request's
+    ``context`` positions of the pool (request b owns slots b * context ...)."""
+    from types import SimpleNamespace
+
+    from sgl_vericache.sglang import attention
+
+    hkv, d = pool_k.shape[1], pool_k.shape[2]
+    batch = pool_k.shape[0] // context
+    table = torch.arange(batch * context, dtype=torch.int32, device=device).view(batch, context)
+    prefix = torch.full((batch,), context - tokens, dtype=torch.int64, device=device)
+    q = _rand((batch * tokens, hq * d), torch.bfloat16, device, gen)
+    pool = SimpleNamespace(get_key_buffer=lambda layer_id: pool_k, get_value_buffer=lambda layer_id: pool_v)
+    backend = SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=pool, skip_rows=frozenset(),
+                              req_to_token_pool=SimpleNamespace(req_to_token=table), deterministic=False,
+                              kernel=kernel)
+    layer = SimpleNamespace(tp_q_head_num=hq, qk_head_dim=d, v_head_dim=d, layer_id=0, scaling=1 / math.sqrt(d))
+    chain = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=device)).repeat(batch, 1, 1)
+    fb = SimpleNamespace(batch_size=batch, seq_lens=prefix, seq_lens_cpu=prefix.cpu(),
+                         req_pool_indices=torch.arange(batch, device=device),
+                         spec_info=SimpleNamespace(custom_mask=chain.flatten()))
+
+    def call():
+        out = attention.verify_attention(backend, q, layer, fb)
+        if kernel and not backend.kernel:
+            raise RuntimeError("the verify kernel refused this layer")
+        return out
+
+    call.host_syncs = not kernel  # the torch path reads the lengths on the host
+    return call, full_bytes(context, batch, hkv, d) + table.nbytes
 
 
 def _measure(base, kind, method, build, timer) -> dict:

@@ -64,14 +64,21 @@ def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32) ->
     return err
 
 
+def _kernel_modules() -> dict:
+    from sgl_vericache.kernels import triton_decode, triton_quest, triton_verify
+
+    return {"td": triton_decode, "tq": triton_quest, "tv": triton_verify}
+
+
 class LaunchKeys:
     """While entered, records Triton's compile-cache key (``compute_cache_key`` of its own
     binder: constexprs, dtypes, the integer and alignment specializations, num_warps /
     num_stages) of every launch of the draft kernels, as (kernel, key). Computed from the
-    launch's own arguments for an sm_90 target, so it works under the interpreter too."""
+    launch's own arguments for an sm_90 target, so it works under the interpreter too. The
+    verify kernel's too (kernel_verify_checks.py)."""
 
     NAMES = (("td", "_decode_split_kernel"), ("td", "_combine_kernel"), ("tq", "_page_scores_kernel"),
-             ("tq", "_quest_group_kernel"), ("tq", "_quest_split_kernel"))
+             ("tq", "_quest_group_kernel"), ("tq", "_quest_split_kernel"), ("tv", "_verify_split_kernel"))
 
     def __init__(self):
         self.keys: set[tuple[str, str]] = set()
@@ -82,11 +89,9 @@ class LaunchKeys:
         from triton.compiler import make_backend
         from triton.runtime.jit import JITFunction, create_function_from_signature
 
-        from sgl_vericache.kernels import triton_decode as td, triton_quest as tq
-
         backend = make_backend(GPUTarget("cuda", 90, 32))
         for mod, name in self.NAMES:
-            module = {"td": td, "tq": tq}[mod]
+            module = _kernel_modules()[mod]
             kernel = getattr(module, name)
             jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
             binder = create_function_from_signature(jit.signature, jit.params, backend)
@@ -116,12 +121,10 @@ class _Recorded:
 
 
 def _compiled_count(device) -> int:
-    """Kernels Triton has compiled for the draft kernels on this device (0 under the interpreter)."""
-    from sgl_vericache.kernels import triton_decode as td, triton_quest as tq
-
+    """Kernels Triton has compiled for the draft and verify kernels on this device (0 under the interpreter)."""
     total = 0
     for mod, name in LaunchKeys.NAMES:
-        caches = getattr(getattr({"td": td, "tq": tq}[mod], name), "device_caches", None)
+        caches = getattr(getattr(_kernel_modules()[mod], name), "device_caches", None)
         if caches is not None:
             index = device.index if device.index is not None else torch.cuda.current_device()
             if index in caches:

@@ -17,6 +17,7 @@ from sgl_vericache.kernels import verify as kv
 from sgl_vericache.sglang import attention
 
 from kernel_fixtures import Case, Shape, _close, _gen, _kv
+from kernel_store_checks import LaunchKeys, _compiled_count
 
 SCALE = 0.11
 
@@ -122,6 +123,29 @@ def check_verify_refuses(device) -> float:
     return 0.0
 
 
+def check_verify_warm_up(device) -> float:
+    """spec.warm_up.warm_verify compiles every verify kernel variant later rounds launch:
+    blocks of every length up to its bound, other batch sizes, prefix lengths and token
+    table widths, deferred rows, through the verify backend, launch no kernel whose Triton
+    cache key the warm-up did not (and on CUDA, compile nothing new)."""
+    from sgl_vericache.spec.warm_up import HeadLayout, warm_verify
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    layout = HeadLayout(8, 2, 64, dtype, dtype)
+    with LaunchKeys() as warm:
+        warm_verify(layout, 9, device)
+    assert any(name == "_verify_split_kernel" for name, _ in warm.keys), warm.keys
+    compiled = _compiled_count(device)
+    with LaunchKeys() as real:
+        for tokens, lengths, skip in ((1, (5,), ()), (3, (40, 17), (0,)), (6, (90, 3, 33), ()), (9, (64, 70), (1,))):
+            check_verify_backend(Shape(lengths, kv_heads=2, group=4, dtype=dtype), tokens, device, skip=skip)
+    missing = real.keys - warm.keys
+    assert real.keys and not missing, f"{len(missing)} verify launch variants the warm-up did not compile: " + "; ".join(
+        f"{name} {key[:300]}" for name, key in sorted(missing))
+    assert _compiled_count(device) == compiled, (compiled, _compiled_count(device))
+    return 0.0
+
+
 def verify_cases() -> list[Case]:
     cases = []
     for shape, tokens, tree, skip, splits in (
@@ -139,6 +163,8 @@ def verify_cases() -> list[Case]:
             a[0], a[1], dev, tree=a[2], skip=a[3], num_splits=a[4]), family="verify", tags=("verify",)))
     cases.append(Case("verify backend kernel vs torch path", lambda dev: check_verify_backend(
         Shape((50, 9, 31), kv_heads=2, group=4), 5, dev, skip=(1,)), family="verify", tags=("verify",)))
+    cases.append(Case("verify warm-up compiles what rounds launch", check_verify_warm_up, family="verify",
+                      tags=("verify", "warm")))
     cases.append(Case("verify kernel refuses what it cannot read", check_verify_refuses, family="verify",
                       tags=("verify",)))
     big = Shape((4000, 1500, 777), kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16)

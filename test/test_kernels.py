@@ -195,7 +195,7 @@ def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
     rows = {(r["context"], r["method"]): r for r in result["rows"]}
     assert not [r for r in result["rows"] if "error" in r]
     assert {m for _, m in rows} == {"kivi4", "kivi2", "int8", "fp8", "droppers", "quest", "quest_query", "quest_choice",
-                                    "triton_paged"}
+                                    "triton_paged", "triton_verify_t5", "triton_verify_t17", "torch_verify_t17"}
     big = {m: r for (c, m), r in rows.items() if c == 256}
     assert big["droppers"]["read_ratio"] == pytest.approx(4.0)
     # Quest at 4x: a quarter of the pages once per KV head, plus min / max of every 16-token page;
@@ -206,6 +206,10 @@ def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
     assert big["int8"]["read_ratio"] == pytest.approx(2 * 128 / (128 + 2))  # codes + an fp16 scale a token
     assert 1 < big["kivi4"]["read_ratio"] < big["kivi2"]["read_ratio"]  # window of 128 exact tokens at 256
     assert big["triton_paged"]["read_ratio"] < 1 and big["triton_paged"]["speedup_vs_full"] == 1.0
+    # verify blocks read the same pool as a decode step (their kernel and the torch path it replaced)
+    for name in ("triton_verify_t5", "triton_verify_t17", "torch_verify_t17"):
+        assert big[name]["kind"] == "verify" and big[name]["read_ratio"] == big["triton_paged"]["read_ratio"]
+        assert big[name]["decode_steps"] == pytest.approx(big[name]["ms"] / big["triton_paged"]["ms"])
     assert result["targets"]["quantizers_at_70pct"] is None  # nothing at 32k x 8 measured
     # several requests' real entries, copied end to end and in place (the smoke run: 70B/TP8 heads)
     packs = {r["method"]: r for r in result["pack"]}

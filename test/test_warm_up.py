@@ -62,6 +62,7 @@ def test_no_warm_up_where_drafting_runs_on_torch():
 
 def test_a_failed_warm_up_is_logged_and_the_worker_goes_on(monkeypatch, caplog):
     monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: True)
+    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: False)
     seam = _Seam(device="cuda", error=RuntimeError("no heads here"))
     with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.round"):
         _speculator(seam).warm_up_kernels()
@@ -82,6 +83,7 @@ def test_the_worker_warms_its_configured_compressors_with_its_layout(monkeypatch
         return 1.5
 
     monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: True)
+    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: False)
     monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_up", fake_warm_up)
     spec = _speculator(_Seam(device="cuda"), compressor=compressor)
     with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.round"):
@@ -91,6 +93,48 @@ def test_the_worker_warms_its_configured_compressors_with_its_layout(monkeypatch
     assert layout == LAYOUT and device == "cuda"
     names = ", ".join(AUTO_CANDIDATES) if compressor == "auto" else compressor
     assert f"draft kernels for {names} ready in 1.5 s" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_worker_warms_the_verify_kernel_for_its_longest_block(monkeypatch, caplog, deterministic):
+    """On CUDA the verify kernel compiles at start-up too, for blocks of up to draft_len + 1
+    tokens (the verify attention's path there), even with the drafts on torch; not in
+    deterministic mode, whose verify keeps the torch path. A failure is logged, not raised."""
+    calls = []
+
+    def fake_warm_verify(layout, tokens, device):
+        calls.append((layout, tokens, device))
+        if tokens == 5:
+            raise RuntimeError("no compiler here")
+        return 0.5
+
+    monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: False)
+    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: True)
+    monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_verify", fake_warm_verify)
+    for draft_len in (12, 4):
+        with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.round"):
+            _speculator(_Seam(device="cuda"), draft_len=draft_len, deterministic=deterministic).warm_up_kernels()
+    if deterministic:
+        assert calls == [], calls
+        return
+    assert calls == [(LAYOUT, 13, "cuda"), (LAYOUT, 5, "cuda")], calls
+    failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failed) == 1 and "verify kernel for blocks of up to 5 tokens" in failed[0], failed
+    assert "the verify kernel for blocks of up to 13 tokens ready in 0.5 s" in caplog.text, caplog.text
+
+
+def test_the_verify_warm_up_launches_each_query_rows_size_once(monkeypatch):
+    """warm_verify's launches: one per compile-time query-rows size that blocks of 1 ..
+    tokens pick (the kernel itself runs in kernel_checks' verify family)."""
+    from sgl_vericache.kernels import verify
+    from sgl_vericache.spec.warm_up import warm_verify
+
+    launched = []
+    monkeypatch.setattr(verify, "verify_attention", lambda q, *a, **kw: launched.append(
+        (q.shape[1], verify.query_rows(3, q.shape[1]), kw["mask"].shape)))
+    monkeypatch.setattr("sgl_vericache.kernels.ops.warm_merges", lambda *a: None)
+    warm_verify(LAYOUT, 17, torch.device("cpu"))  # group 3: 1-5 tokens 16 rows, 6-10 32, 11-17 64
+    assert launched == [(1, 16, (1, 1, 1)), (6, 32, (1, 6, 6)), (11, 64, (1, 11, 11))], launched
 
 
 def test_a_layout_that_does_not_divide_names_itself():

@@ -46,7 +46,10 @@ def _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t,
     return _softmax_step(m_i, l_i, acc, s, v, DOT)
 
 
-@triton.jit(do_not_specialize=["T", "NUM_SPLITS"])
+# T (the round's block) and the split count change from one round to the next; the token
+# table's width is the server's, but not specializing on it keeps the variants a start-up
+# warm-up compiles (spec/warm_up.py: warm_verify) independent of it
+@triton.jit(do_not_specialize=["T", "NUM_SPLITS", "table_stride"])
 def _verify_split_kernel(
     q_ptr,  # [B * T, HQ, D] the block's queries
     k_ptr, v_ptr,  # the pool's [slots, H, D] key / value buffers of this layer

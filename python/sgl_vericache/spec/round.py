@@ -164,28 +164,45 @@ class Speculator:
         self.setup_seconds = self.forward_seconds = 0.0
 
     def warm_up_kernels(self) -> None:
-        """Compile the draft kernels for the configured compressors now (spec/warm_up.py),
-        not in the first requests' rounds; nothing on a device that drafts on torch. A
-        failure is logged and the server goes on (the kernels then compile at first use)."""
-        from sgl_vericache.kernels import draft_attention_available
-        from sgl_vericache.spec.warm_up import warm_up
+        """Compile the draft kernels for the configured compressors and the verify kernel
+        for blocks up to draft_len + 1 tokens now (spec/warm_up.py), not in the first
+        requests' rounds; nothing on a device that runs them on torch. A failure is logged
+        and the server goes on (the kernels then compile at first use)."""
+        from sgl_vericache.kernels import draft_attention_available, verify_kernel_available
+        from sgl_vericache.spec import warm_up
 
-        if not draft_attention_available(self.seam.device):
+        device = self.seam.device
+        drafts = draft_attention_available(device)
+        verifies = verify_kernel_available(device) and not self.vc.deterministic
+        if not (drafts or verifies):
             return
         compressors = self.planner.configured_compressors()
-        names = ", ".join(c.name for c in compressors)
+        what_drafts = "the draft kernels for " + ", ".join(c.name for c in compressors)
+        what_verify = f"the verify kernel for blocks of up to {self.vc.draft_len + 1} tokens"
         try:
             layout = self.seam.head_layout()
-            if layout is None:
-                return
-            logger.info("VeriCache: compiling the draft kernels for %s (%s)", names, layout)
-            seconds = warm_up(compressors, layout, self.seam.device)
         except Exception:  # a warm-up is an optimization: never the reason a server fails to start
-            logger.exception("VeriCache: compiling the draft kernels for %s at start-up failed; they compile at "
-                             "their first draft round instead", names)
+            logger.exception("VeriCache: compiling %s at start-up failed (reading the model's head layout); they "
+                             "compile at first use instead",
+                             " and ".join(w for w, on in ((what_drafts, drafts), (what_verify, verifies)) if on))
+            return
+        if layout is None:
+            return
+        if drafts:
+            self._warm(what_drafts, layout, lambda: warm_up.warm_up(compressors, layout, device))
+        if verifies:
+            self._warm(what_verify, layout, lambda: warm_up.warm_verify(layout, self.vc.draft_len + 1, device))
+
+    @staticmethod
+    def _warm(what: str, layout, compile_them) -> None:
+        logger.info("VeriCache: compiling %s (%s)", what, layout)
+        try:
+            seconds = compile_them()
+        except Exception:  # a warm-up is an optimization: never the reason a server fails to start
+            logger.exception("VeriCache: compiling %s at start-up failed; they compile at first use instead", what)
             return
         if seconds is not None:
-            logger.info("VeriCache: draft kernels for %s ready in %.1f s", names, seconds)
+            logger.info("VeriCache: %s ready in %.1f s", what, seconds)
 
     # -- per request ---------------------------------------------------------------------
 

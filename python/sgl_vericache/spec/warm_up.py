@@ -1,4 +1,4 @@
-"""Compile the draft kernels before the first request needs them.
+"""Compile the draft kernels (and the verify kernel) before the first request needs them.
 
 On a GPU the drafter's attention runs on Triton kernels (``sgl_vericache.kernels``) that
 compile on first use: each compressor's format in two variants (a lone request's entry;
@@ -10,6 +10,10 @@ layer, with the model's head layout and dtypes, so the rounds that follow find e
 variant they launch already compiled: kernel variants depend on the head layout, dtypes and
 compressor options, never on the lengths a round sees (the kernels do not specialize on
 them; test/kernel_checks.py's warm-up cases compare Triton's own cache keys).
+
+``warm_verify`` does the same for the verify kernel (kernels/verify.py), whose variants
+depend on the head layout, dtypes and how many query rows a program holds: one launch per
+size that verify blocks of 1 .. draft_len + 1 tokens pick.
 """
 
 from __future__ import annotations
@@ -101,3 +105,32 @@ def _warm_compressor(comp: KVCompressor, layout: HeadLayout, device, gen, draft_
             store.attend_tokens(0, q, k_new, v_new, scale)
     finally:
         store.clear()
+
+
+def warm_verify(layout: HeadLayout, tokens: int, device: torch.device) -> float:
+    """Launch the verify kernel once for every query-rows size (its compile-time QP) a
+    verify block of 1 .. ``tokens`` tokens picks, under a verify mask as VERICACHE's
+    rounds pass one, over a small pool in SGLang's layout and dtypes (int32 token table,
+    int64 lengths and rows); then the split merge at every split count. Seconds taken."""
+    from sgl_vericache.kernels import ops, verify
+
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    group = layout.num_q_heads // layout.num_kv_heads
+    sizes: dict[int, int] = {}
+    for t in range(1, tokens + 1):
+        sizes.setdefault(verify.query_rows(group, t), t)
+    slots = 32 + tokens
+    k, v = (_randn(gen, (slots, layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device) for _ in range(2))
+    table = torch.arange(slots, dtype=torch.int32, device=device).view(1, slots)
+    rows = torch.zeros(1, dtype=torch.int64, device=device)
+    prefix = torch.full((1,), 32, dtype=torch.int64, device=device)
+    for t in sizes.values():
+        q = _randn(gen, (1, t, layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
+        mask = torch.tril(torch.ones(1, t, t, dtype=torch.bool, device=device))
+        verify.verify_attention(q, k, v, table, rows, prefix, layout.head_dim ** -0.5, mask=mask, longest=32 + t)
+    ops.warm_merges(layout.num_q_heads, ops._pow2(layout.head_dim), layout.q_dtype, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
