@@ -8,6 +8,9 @@ candidates) with Triton's on-disk cache in a fresh directory:
   restart  a new process over the same cache: what every later start pays
   again    the same process once more: the rounds alone, nothing left to compile
 
+and the same three for the verify kernel's warm-up (``warm_verify``: blocks of up to
+--draft-len + 1 tokens), which a CUDA server runs beside it (verify_* columns).
+
     python benchmark/bench_warm_up.py --out $OUT/bench_warm_up.json        # on a GPU (~1 min)
     TRITON_INTERPRET=1 python benchmark/bench_warm_up.py --smoke          # CPU: code paths only
 """
@@ -34,7 +37,7 @@ def _phase(args) -> dict:
 
     from sgl_vericache.config import VeriCacheConfig
     from sgl_vericache.spec.plan import Planner
-    from sgl_vericache.spec.warm_up import LENGTHS, HeadLayout, warm_up
+    from sgl_vericache.spec.warm_up import LENGTHS, HeadLayout, warm_up, warm_verify
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -48,6 +51,10 @@ def _phase(args) -> dict:
         seconds = warm_up(compressors, layout, device, draft_kernels=True, lengths=lengths)
         out[name] = round(seconds, 3)
         print(f"  {args.shape} {name}: {seconds:.2f} s", flush=True)
+    for name in ("first", "again"):
+        seconds = warm_verify(layout, args.draft_len + 1, device)
+        out[f"verify_{name}"] = round(seconds, 3)
+        print(f"  {args.shape} verify {name}: {seconds:.2f} s", flush=True)
     return out
 
 
@@ -56,6 +63,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_warm_up.json")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compressor", default="auto", help="as --vericache-compressor (auto: both candidates)")
+    ap.add_argument("--draft-len", type=int, default=16, help="as --vericache-draft-len: the verify blocks warmed")
     ap.add_argument("--shapes", nargs="*", default=["llama3-8b", "llama70b-tp8"], choices=sorted(SHAPES))
     ap.add_argument("--smoke", action="store_true", help="the CPU under TRITON_INTERPRET=1: tiny shape, short requests")
     ap.add_argument("--phase", action="store_true", help=argparse.SUPPRESS)  # one child process
@@ -74,7 +82,8 @@ def main() -> None:
             for start in ("cold", "restart"):  # each a new process over the same cache directory
                 t0 = time.perf_counter()
                 cmd = [sys.executable, __file__, "--phase", "--shape", shape, "--device", args.device,
-                       "--compressor", args.compressor] + (["--smoke"] if args.smoke else [])
+                       "--compressor", args.compressor, "--draft-len", str(args.draft_len)] + (
+                           ["--smoke"] if args.smoke else [])
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if proc.returncode:
                     raise SystemExit(f"{start} warm-up of {shape} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -82,9 +91,12 @@ def main() -> None:
                 row.update(compressors=phase["compressors"], layout=phase["layout"])
                 row[start] = phase["first"]
                 row[f"{start}_again"] = phase["again"]
+                row[f"verify_{start}"] = phase["verify_first"]
+                row[f"verify_{start}_again"] = phase["verify_again"]
                 row[f"{start}_process_s"] = round(time.perf_counter() - t0, 1)
             print(f"{shape}: cold {row['cold']:.2f} s, restart {row['restart']:.2f} s, "
-                  f"again {row['restart_again']:.3f} s ({', '.join(row['compressors'])})", flush=True)
+                  f"again {row['restart_again']:.3f} s ({', '.join(row['compressors'])}); verify kernel: cold "
+                  f"{row['verify_cold']:.2f} s, restart {row['verify_restart']:.2f} s", flush=True)
             rows.append(row)
     import torch
     import triton

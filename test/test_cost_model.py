@@ -218,7 +218,7 @@ def test_fitted_overhead_recovers_a_known_one(tmp_path):
     assert cm.measured_report(path, CPU, 4.0)["fitted_step_overhead_s"] is None
 
 
-def _bench_kernels_json(draft_fraction=0.7, full_fraction=0.8, loader_gbps=50.0):
+def _bench_kernels_json(draft_fraction=0.7, full_fraction=0.8, loader_gbps=50.0, verify_fractions=None):
     """A small bench_kernels.py result: Llama-70B/TP8 heads at 32k x 8 (and one far-off combo)."""
     peak, full_bytes = 4.8e12, 2 * 8 * 32768 * 1 * 128 * 2
 
@@ -235,6 +235,8 @@ def _bench_kernels_json(draft_fraction=0.7, full_fraction=0.8, loader_gbps=50.0)
             row("full", "triton_paged", 0.1, context=8192, batch=1),
             {"shape": "llama70b-tp8", "context": 32768, "batch": 8, "kind": "draft", "method": "kivi2",
              "error": "OutOfMemoryError"}]
+    for method, fraction in (verify_fractions or {}).items():
+        rows.append(row("verify", method, fraction))
     return {"hbm_bytes_per_s": peak, "gpu": "synthetic", "rows": rows, "loader": {"GBps": loader_gbps}}
 
 
@@ -273,6 +275,31 @@ def test_gpu_projection_uses_the_measured_attention_terms():
     assert at_peak["tok_s"]["full_resident"] == pytest.approx(roof["full_resident"])
     assert at_peak["tok_s"]["vericache_offloaded"] == pytest.approx(roof["vericache_offloaded"])
     assert "upper bound" in proj["why"]
+
+
+def test_gpu_projection_prices_verify_by_the_verify_kernel_where_timed():
+    """The verify pass's attention: the timed verify kernel whose block is nearest the paper's
+    draft_len + 1 (31 tokens: the 17-token row, not the 5-token one, nor the torch path's);
+    absent, the full-KV decode's share. A slower verify lowers only VeriCache's arms: the
+    resident one at once, the offloaded one (bound by the host link at the paper's setting)
+    once the verify's attention outlasts what the link hides (here at 2% of HBM)."""
+    plain = cm.gpu_projection(cm.gpu_kernel_terms(_bench_kernels_json()))
+    assert plain["terms"]["verify"] is None
+    data = _bench_kernels_json(verify_fractions={"triton_verify_t5": 0.8, "triton_verify_t17": 0.4,
+                                                 "torch_verify_t17": 0.01})
+    terms = cm.gpu_kernel_terms(data)
+    assert terms["verify"]["method"] == "triton_verify_t17" and terms["verify"]["verify_tokens"] == 17
+    assert terms["verify"]["decode_steps"] == pytest.approx(2.0)  # 0.8 of HBM against 0.4: twice a decode step
+    slow = cm.gpu_projection(terms)
+    crawl = cm.gpu_projection(cm.gpu_kernel_terms(_bench_kernels_json(verify_fractions={"triton_verify_t17": 0.02})))
+    for name in ("kivi4", "droppers"):
+        a, b, c = (p["methods"][name]["tok_s"] for p in (plain, slow, crawl))
+        assert b["vericache_resident"] < a["vericache_resident"] and b["full_resident"] == a["full_resident"]
+        assert b["vericache_offloaded"] <= a["vericache_offloaded"] and c["vericache_offloaded"] < a[
+            "vericache_offloaded"]
+        assert c["full_resident"] == a["full_resident"] and c["full_offloaded"] == a["full_offloaded"]
+    same = cm.gpu_projection(cm.gpu_kernel_terms(_bench_kernels_json(verify_fractions={"triton_verify_t17": 0.8})))
+    assert same["methods"]["kivi4"]["tok_s"] == pytest.approx(plain["methods"]["kivi4"]["tok_s"])
 
 
 def test_cli_gpu_kernels_writes_the_projection(tmp_path, monkeypatch, capsys):

@@ -175,4 +175,5 @@ def test_the_warm_up_benchmark_runs_its_phases(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["compressors"] == list(AUTO_CANDIDATES)
-    assert all(row[k] > 0 for k in ("cold", "restart", "cold_again", "restart_again"))
+    assert all(row[k] > 0 for k in ("cold", "restart", "cold_again", "restart_again", "verify_cold", "verify_restart",
+                                    "verify_cold_again", "verify_restart_again"))
