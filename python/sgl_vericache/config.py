@@ -104,9 +104,10 @@ class VeriCacheConfig:
         "save. 1 = always read, 0 = never.", min=0.0, max=1.0,
     )
     warm_up_kernels: bool = _opt(
-        True, "On a GPU, compile the draft attention kernels for the configured compressor(s) while the server "
-        "starts (seconds per compressor on a first start; Triton keeps them on disk for the next) instead of in "
-        "the first requests' draft rounds. No effect where drafting runs on torch (CPU).")
+        True, "On a GPU, compile the draft attention kernels for the configured compressor(s), and the verify "
+        "kernel for blocks of up to draft_len + 1 tokens, while the server starts (seconds per compressor on a "
+        "first start; Triton keeps them on disk for the next) instead of in the first requests' rounds. No "
+        "effect where attention runs on torch (CPU).")
     compressor_options: str = _opt(
         "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
     )
