@@ -283,7 +283,7 @@ def _verify_call(pool_k, pool_v, context, hq, tokens, kernel, device, gen):
     pool = SimpleNamespace(get_key_buffer=lambda layer_id: pool_k, get_value_buffer=lambda layer_id: pool_v)
     backend = SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=pool, skip_rows=frozenset(),
                               req_to_token_pool=SimpleNamespace(req_to_token=table), deterministic=False,
-                              kernel=kernel)
+                              kernel=kernel, soft_caps=False)
     layer = SimpleNamespace(tp_q_head_num=hq, qk_head_dim=d, v_head_dim=d, layer_id=0, scaling=1 / math.sqrt(d))
     chain = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=device)).repeat(batch, 1, 1)
     fb = SimpleNamespace(batch_size=batch, seq_lens=prefix, seq_lens_cpu=prefix.cpu(),

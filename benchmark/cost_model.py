@@ -544,8 +544,8 @@ GPU_PROJECTION_WHY = (
     "per-GPU heads under 8-way TP (8 query / 1 KV head), carried over to the paper's 2x H100 NVL "
     "(TP=2: 32 / 4 heads a GPU); the verify pass's attention is the verify kernel's share of the HBM "
     "peak where bench_kernels timed it (its block nearest draft_len + 1 tokens), else taken to read "
-    "the full KV as efficiently as full-KV decode does. Weights are still read at the roofline, and TP all-reduces, kernel "
-    "launches, sampling and the scheduler cost nothing: the result stays an upper bound.")
+    "the full KV as efficiently as full-KV decode does. Weights are still read at the roofline, and TP "
+    "all-reduces, kernel launches, sampling and the scheduler cost nothing: the result stays an upper bound.")
 
 
 def gpu_kernel_terms(data: dict, shape: str = "llama70b-tp8", context: int = 32768, batch: int = 8) -> dict:

@@ -136,7 +136,8 @@ QUEST_VARIANTS = {
 _VERIFY_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "row_ptr": "*i64",
                 "prefix_ptr": "*i64", "live_ptr": "*i32", "mask_ptr": "*u8", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*fp32", "qk_scale": "fp32", "T": "i32", "H": "i32", "HQ": "i32", "NUM_SPLITS": "i32",
-                "table_stride": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"}
+                "table_stride": "i32", "window": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32",
+                "stride_vh": "i32"}
 _VERIFY = dict(GROUP=4, QP=32, D=128, DP=128, BN=32, ROUND=2, DOT=2, TREE=False)
 VERIFY_VARIANTS = {
     "verify_qp32": (tv._verify_split_kernel, _VERIFY_ARGS, _VERIFY, 32, 4, 2),

@@ -39,8 +39,10 @@ def _pool(shape: Shape, tokens: int, device, seed: int = 0):
     return (t.to(device) for t in (k_buffer, v_buffer, table, rows, prefix))
 
 
-def _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live):
-    """fp32 SDPA per request over its gathered K/V: token j sees the prefix and mask[b, j]."""
+def _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live, window=None, softcap=None):
+    """fp32 SDPA per request over its gathered K/V: token j sees the prefix and mask[b, j]
+    (with a window: only positions from prefix + j - window on; with a soft cap, scores
+    cap * tanh(score / cap), by hand)."""
     bs, tokens, hq, d = q.shape
     out = torch.zeros(bs, tokens, hq, d)
     for b in range(bs):
@@ -50,8 +52,18 @@ def _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live):
         slots = table[rows[b], : n + tokens].long().cpu()
         k, v = k_buffer.cpu()[slots].float(), v_buffer.cpu()[slots].float()
         visible = torch.cat([torch.ones(tokens, n, dtype=torch.bool), mask[b].cpu()], dim=1)
-        o = F.scaled_dot_product_attention(q[b].cpu().float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=visible, scale=SCALE, enable_gqa=hq != k.shape[1])
+        if window is not None:
+            positions = torch.arange(n + tokens)
+            visible &= positions[None, :] >= positions[n:, None] - window
+        qb = q[b].cpu().float().transpose(0, 1)
+        if softcap:
+            g = hq // k.shape[1]
+            scores = qb @ k.repeat_interleave(g, 1).permute(1, 2, 0) * SCALE
+            scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~visible, float("-inf"))
+            o = torch.softmax(scores, -1) @ v.repeat_interleave(g, 1).transpose(0, 1)
+        else:
+            o = F.scaled_dot_product_attention(qb, k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible,
+                                               scale=SCALE, enable_gqa=hq != k.shape[1])
         out[b] = o.transpose(0, 1)
     return out
 
@@ -64,18 +76,20 @@ def _mask(bs: int, tokens: int, tree: bool, seed: int) -> torch.Tensor:
 
 
 def check_verify_kernel(shape: Shape, tokens: int, device, tree: bool = False, skip: tuple[int, ...] = (),
-                        num_splits: int = 1, block_n: int = 16, seed: int = 0) -> float:
+                        num_splits: int = 1, block_n: int = 16, seed: int = 0, window: int | None = None,
+                        softcap: float | None = None) -> float:
     k_buffer, v_buffer, table, rows, prefix = _pool(shape, tokens, device, seed)
     bs, hq = len(shape.lengths), shape.kv_heads * shape.group
     q = torch.randn(bs, tokens, hq, shape.head_dim, generator=_gen(seed + 7)).to(shape.dtype).to(device)
     mask = _mask(bs, tokens, tree, seed + 8)
     live = torch.tensor([b not in skip for b in range(bs)], dtype=torch.int32)
     out = kv.verify_attention(q, k_buffer, v_buffer, table, rows, prefix, SCALE, live=live.to(device),
-                              mask=mask.to(device) if tree else None, num_splits=num_splits, block_n=block_n)
+                              mask=mask.to(device) if tree else None, num_splits=num_splits, block_n=block_n,
+                              window=window, softcap=softcap)
     assert out.dtype == q.dtype and out.shape == q.shape, (out.dtype, out.shape)
     assert all(bool((out[b] == 0).all()) for b in skip), "a request not verified must get zeros"
-    return _close(out, _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live), shape.dtype,
-                  f"verify T={tokens}")
+    ref = _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live, window, softcap)
+    return _close(out, ref, shape.dtype, f"verify T={tokens}")
 
 
 class _Pool:
@@ -89,20 +103,25 @@ class _Pool:
         return self.v_buffer
 
 
-def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...] = (), seed: int = 3) -> float:
+def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...] = (), seed: int = 3,
+                         window: int | None = None, logit_cap: float = 0.0) -> float:
     """sglang/attention.py's verify_attention with its kernel on (what CUDA runs) against
-    the same call on its torch path, from the same forward batch, chain mask and deferred rows."""
+    the same call on its torch path, from the same forward batch, chain mask, deferred rows
+    and (a layer's ``sliding_window_size``) window; with a ``logit_cap``, as a CUDA backend
+    (``soft_caps``) whose decode caps the scores."""
     k_buffer, v_buffer, table, rows, prefix = _pool(shape, tokens, device, seed)
     bs, hq, d = len(shape.lengths), shape.kv_heads * shape.group, shape.head_dim
     q = torch.randn(bs * tokens, hq * d, generator=_gen(seed + 7)).to(shape.dtype).to(device)
-    layer = SimpleNamespace(tp_q_head_num=hq, qk_head_dim=d, v_head_dim=d, layer_id=0, scaling=SCALE)
+    layer = SimpleNamespace(tp_q_head_num=hq, qk_head_dim=d, v_head_dim=d, layer_id=0, scaling=SCALE,
+                            sliding_window_size=-1 if window is None else window, is_cross_attention=False,
+                            logit_cap=logit_cap)
     batch = SimpleNamespace(batch_size=bs, seq_lens=prefix, seq_lens_cpu=prefix.cpu(), req_pool_indices=rows,
                             spec_info=SimpleNamespace(custom_mask=_mask(bs, tokens, False, 0).flatten().to(device)))
 
     def backend(kernel: bool):
         return SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_Pool(k_buffer, v_buffer),
                                req_to_token_pool=SimpleNamespace(req_to_token=table), skip_rows=frozenset(skip),
-                               deterministic=False, kernel=kernel)
+                               deterministic=False, kernel=kernel, soft_caps=bool(logit_cap))
 
     on = backend(True)
     got = attention.verify_attention(on, q, layer, batch)
@@ -140,8 +159,8 @@ def check_verify_warm_up(device) -> float:
         for tokens, lengths, skip in ((1, (5,), ()), (3, (40, 17), (0,)), (6, (90, 3, 33), ()), (9, (64, 70), (1,))):
             check_verify_backend(Shape(lengths, kv_heads=2, group=4, dtype=dtype), tokens, device, skip=skip)
     missing = real.keys - warm.keys
-    assert real.keys and not missing, f"{len(missing)} verify launch variants the warm-up did not compile: " + "; ".join(
-        f"{name} {key[:300]}" for name, key in sorted(missing))
+    assert real.keys and not missing, f"{len(missing)} verify launch variants the warm-up did not compile: " + \
+        "; ".join(f"{name} {key[:300]}" for name, key in sorted(missing))
     assert _compiled_count(device) == compiled, (compiled, _compiled_count(device))
     return 0.0
 
@@ -161,8 +180,26 @@ def verify_cases() -> list[Case]:
                 + (f" skip={list(skip)}" if skip else ""))
         cases.append(Case(name, lambda dev, a=(shape, tokens, tree, skip, splits): check_verify_kernel(
             a[0], a[1], dev, tree=a[2], skip=a[3], num_splits=a[4]), family="verify", tags=("verify",)))
+    # sliding windows: cut inside the prefix (unaligned, across splits), wider than a short
+    # prefix, narrower than the block (under a chain and a mask), and 0 (each token alone)
+    for shape, tokens, tree, splits, window in ((Shape((45, 70, 3)), 4, False, 4, 20),
+                                                (Shape((33, 64), kv_heads=1, group=8), 9, False, 2, 5),
+                                                (Shape((40,), kv_heads=2, group=2), 6, True, 1, 2),
+                                                (Shape((17, 4), kv_heads=1, group=2), 3, False, 2, 0)):
+        name = (f"verify window={window} T={tokens} lengths={list(shape.lengths)} gqa={shape.group} "
+                f"{'mask' if tree else 'chain'} splits={splits}")
+        cases.append(Case(name, lambda dev, a=(shape, tokens, tree, splits, window): check_verify_kernel(
+            a[0], a[1], dev, tree=a[2], num_splits=a[3], window=a[4]), family="verify", tags=("verify", "window")))
     cases.append(Case("verify backend kernel vs torch path", lambda dev: check_verify_backend(
         Shape((50, 9, 31), kv_heads=2, group=4), 5, dev, skip=(1,)), family="verify", tags=("verify",)))
+    cases.append(Case("verify backend kernel vs torch path, sliding window", lambda dev: check_verify_backend(
+        Shape((50, 9, 31), kv_heads=2, group=4), 5, dev, window=12), family="verify", tags=("verify", "window")))
+    cases.append(Case("verify soft-capped scores (cap 2)", lambda dev: check_verify_kernel(
+        Shape((45, 70, 3), kv_heads=2, group=4), 5, dev, num_splits=2, softcap=2.0, window=30), family="verify",
+        tags=("verify", "softcap")))
+    cases.append(Case("verify backend kernel vs torch path, soft cap", lambda dev: check_verify_backend(
+        Shape((50, 9, 31), kv_heads=2, group=4), 5, dev, skip=(2,), logit_cap=1.5), family="verify",
+        tags=("verify", "softcap")))
     cases.append(Case("verify warm-up compiles what rounds launch", check_verify_warm_up, family="verify",
                       tags=("verify", "warm")))
     cases.append(Case("verify kernel refuses what it cannot read", check_verify_refuses, family="verify",

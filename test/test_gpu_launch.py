@@ -24,7 +24,7 @@ except ImportError:  # a bare GPU machine without pytest runs this file as a scr
 
 from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang.server import (apply_vericache_flags, check_cuda_graphs, check_kv_cache_dtype,
-                                         check_parallelism)
+                                         check_kv_pool, check_parallelism)
 from sgl_vericache.spec.round import device_clock
 from sgl_vericache.spec.sampled_round import SampledRound
 
@@ -62,6 +62,21 @@ def test_a_vericache_worker_refuses_a_quantized_full_kv_pool():
     for value in ("auto", "bf16", "bfloat16"):
         apply_vericache_flags(VeriCacheConfig(), [f"--kv-cache-dtype={value}"])
     assert apply_vericache_flags(VeriCacheConfig(enable=False), ["--kv-cache-dtype", "fp8_e4m3"])  # off: SGLang's
+
+
+def test_a_vericache_worker_refuses_a_hybrid_sliding_window_pool():
+    """Sliding-window layers' KV in a pool of its own (SGLang's SWAKVPool) sits at slots the
+    token table does not give: verify would read other tokens. Refused at start, naming the
+    flag that keeps one pool; a plain pool passes."""
+    from types import SimpleNamespace
+
+    class SWAKVPool:
+        swa_kv_pool = object()
+
+    with _raises(ValueError, "hybrid sliding-window KV pool \\(SWAKVPool.*--disable-hybrid-swa-memory"):
+        check_kv_pool(SWAKVPool())
+    check_kv_pool(SimpleNamespace(k_buffer=[]))
+    check_kv_pool(SimpleNamespace(swa_kv_pool=None))
 
 
 def test_a_vericache_worker_refuses_dp_attention_and_pipeline_stages():

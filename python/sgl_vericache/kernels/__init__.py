@@ -14,7 +14,8 @@ full; or a paged pool through a token table), over KIVI int4/int2 packed codes w
 per-channel key / per-token value scales and the full-precision window, over int8 and fp8
 codes with their scales; Quest's page bounds and its attention over the chosen pages; a
 split merge; verify attention of a round's block of tokens over the full paged pool (its
-twin: the verify backend's torch path, sglang/attention.py). Importing this package imports neither triton nor CUDA: the submodules do.
+twin: the verify backend's torch path, sglang/attention.py). Importing this package imports
+neither triton nor CUDA: the submodules do.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ round's drafts) whose K/V the forward has just written into the pool; token j of
 sees the request's verified prefix (prefix_b tokens) and the block's tokens under the verify
 mask (a linear chain: tokens 0..j; TREE: a [B, T, T] mask). Both the prefix and the block
 are read through SGLang's token table (req_to_token: row -> pool slot of each position).
+On a sliding-window layer token j sees only positions from prefix + j - window on (as
+SGLang's decode: a query at position p sees p - window .. p).
 
 One program handles one request, one KV head and one slice of the request's positions, for
 a chunk of the block's tokens times the KV head's GQA query heads at once: QP query rows
@@ -34,14 +36,18 @@ def _pool_rows(ptr, slot, h, stride_t, stride_h, live, D: tl.constexpr, DP: tl.c
 
 @triton.jit
 def _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t, visible, h, stride_kt, stride_kh,
-                stride_vt, stride_vh, qk_scale, D: tl.constexpr, DP: tl.constexpr, ROUND: tl.constexpr,
-                DOT: tl.constexpr):
+                stride_vt, stride_vh, qk_scale, softcap, D: tl.constexpr, DP: tl.constexpr, ROUND: tl.constexpr,
+                DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold the positions t [BN] (each a position the table holds) into the running state,
-    scores masked where not ``visible`` [QP, BN]."""
+    scores masked where not ``visible`` [QP, BN]. SOFTCAP: scores soft-capped first, cap *
+    tanh(score / cap) (``softcap``: the cap in the scores' base-2 units)."""
     slot = tl.load(table_ptr + row * table_stride + t).to(tl.int64)
     every = tl.full(t.shape, 1, tl.int1)
     k = _dot_in(_round_to(_pool_rows(k_ptr, slot, h, stride_kt, stride_kh, every, D, DP), ROUND), DOT)
-    s = tl.where(visible, _mm(q, tl.trans(k), DOT) * qk_scale, float("-inf"))
+    s = _mm(q, tl.trans(k), DOT) * qk_scale
+    if SOFTCAP:  # tanh(y) = 1 - 2 / (e^2y + 1): +-1 where e^2y over- or underflows
+        s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / softcap)) + 1.0))
+    s = tl.where(visible, s, float("-inf"))
     v = _dot_in(_round_to(_pool_rows(v_ptr, slot, h, stride_vt, stride_vh, every, D, DP), ROUND), DOT)
     return _softmax_step(m_i, l_i, acc, s, v, DOT)
 
@@ -49,7 +55,7 @@ def _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t,
 # T (the round's block) and the split count change from one round to the next; the token
 # table's width is the server's, but not specializing on it keeps the variants a start-up
 # warm-up compiles (spec/warm_up.py: warm_verify) independent of it
-@triton.jit(do_not_specialize=["T", "NUM_SPLITS", "table_stride"])
+@triton.jit(do_not_specialize=["T", "NUM_SPLITS", "table_stride", "window"])
 def _verify_split_kernel(
     q_ptr,  # [B * T, HQ, D] the block's queries
     k_ptr, v_ptr,  # the pool's [slots, H, D] key / value buffers of this layer
@@ -59,9 +65,11 @@ def _verify_split_kernel(
     mask_ptr,  # TREE: [B, T, T] the verify mask, nonzero where token j sees block token i
     m_ptr, l_ptr, acc_ptr,  # partials [B * T, HQ, NUM_SPLITS] (x DP for acc)
     qk_scale, T, H, HQ, NUM_SPLITS, table_stride,
+    softcap,  # SOFTCAP: the layer's logit cap times log2 e
+    window,  # a sliding-window layer's: token j (position prefix + j) sees positions from prefix + j - window; -1: all
     stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
-    ROUND: tl.constexpr, DOT: tl.constexpr, TREE: tl.constexpr,
+    ROUND: tl.constexpr, DOT: tl.constexpr, TREE: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     TQ: tl.constexpr = QP // GROUP  # block tokens a program takes
     chunks = tl.cdiv(T, TQ)
@@ -86,16 +94,30 @@ def _verify_split_kernel(
     l_i = tl.zeros([QP], tl.float32)
     acc = tl.zeros([QP, DP], tl.float32)
 
-    per_split = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BN) * BN
-    lo = split * per_split
+    windowed = window >= 0
+    lowest = tl.where(windowed, prefix + j - window, 0)  # each query row's first visible position
+    base = tl.where(windowed, tl.maximum(prefix - window, 0), 0)  # no row sees a position below it
+    per_split = tl.cdiv(tl.cdiv(total - base, NUM_SPLITS), BN) * BN
+    lo = base + split * per_split
     hi = tl.minimum(total, lo + per_split)
     prefix_hi = tl.minimum(hi, prefix)
-    for start in range(lo, prefix_hi, BN):  # the verified prefix: every query row sees it
+    # the verified prefix: positions below prefix + T - 1 - window, which the window hides
+    # from some rows, masked per row; the rest (all of it without a window) seen by every row
+    seen_by_all = tl.minimum(tl.maximum(lo, tl.where(windowed, prefix + T - 1 - window, 0)), prefix_hi)
+    for start in range(lo, seen_by_all, BN):
+        t = start + tl.arange(0, BN)
+        visible = (t < seen_by_all)[None, :] & (t[None, :] >= lowest[:, None])
+        t = tl.minimum(t, seen_by_all - 1)
+        m_i, l_i, acc = _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t, visible, h,
+                                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, softcap, D, DP, ROUND,
+                                    DOT, SOFTCAP)
+    for start in range(tl.maximum(lo, seen_by_all), prefix_hi, BN):
         t = start + tl.arange(0, BN)
         visible = (t < prefix_hi)[None, :]
         t = tl.minimum(t, prefix_hi - 1)  # positions past the end read the last one again, unseen
         m_i, l_i, acc = _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t, visible, h,
-                                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, D, DP, ROUND, DOT)
+                                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, softcap, D, DP, ROUND,
+                                    DOT, SOFTCAP)
     for start in range(tl.maximum(lo, prefix), hi, BN):  # the block, under the verify mask
         t = start + tl.arange(0, BN)
         live = t < hi
@@ -105,10 +127,11 @@ def _verify_split_kernel(
                            mask=qvalid[:, None] & live[None, :], other=0) != 0
         else:
             seen = i[None, :] <= j[:, None]
+        seen = seen & live[None, :] & (t[None, :] >= lowest[:, None])
         t = tl.minimum(t, hi - 1)
-        m_i, l_i, acc = _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t,
-                                    seen & live[None, :], h, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
-                                    D, DP, ROUND, DOT)
+        m_i, l_i, acc = _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t, seen, h,
+                                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, softcap, D, DP, ROUND,
+                                    DOT, SOFTCAP)
 
     out_rows = q_rows * NUM_SPLITS + split
     tl.store(m_ptr + out_rows, m_i, mask=qvalid)

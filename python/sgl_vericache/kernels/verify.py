@@ -52,12 +52,17 @@ def query_rows(group: int, tokens: int) -> int:
 def verify_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, scale: float, *,
                      live: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
-                     longest: Optional[int] = None, num_splits: Optional[int] = None,
+                     longest: Optional[int] = None, window: Optional[int] = None, softcap: Optional[float] = None,
+                     num_splits: Optional[int] = None,
                      block_n: int = VERIFY_BLOCK_N, num_warps: Optional[int] = None,
                      num_stages: int = 2) -> torch.Tensor:
     """See the module docstring. ``live`` [B] (nonzero: verified; default all): a request
     not verified reads nothing and gets zeros. ``longest``: the most positions any request
-    reads (prefix + T), known on the host (None: read from prefix_lens, a device sync)."""
+    reads (prefix + T), known on the host (None: read from prefix_lens, a device sync).
+    ``window``: a sliding-window layer's (token j at position prefix + j sees positions
+    prefix + j - window .. on, as SGLang's decode); None: every position. ``softcap``: a
+    soft-capped layer's cap (scores become cap * tanh(score / cap), as SGLang's CUDA
+    backends apply ``logit_cap``); None: no cap."""
     bs, tokens, num_q_heads, head_dim = q.shape
     why = unsupported(num_q_heads, head_dim, head_dim, k_buffer, v_buffer)
     if why:
@@ -72,6 +77,10 @@ def verify_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     dp = _pow2(head_dim)
     if longest is None:
         longest = int(prefix_lens.max()) + tokens if bs else 0
+    if window is not None:
+        if window < 0:
+            raise ValueError(f"verify kernel: a sliding window of {window} positions (None: no window)")
+        longest = min(longest, window + tokens)
     splits = _pow2(num_splits or choose_splits(bs * chunks * num_kv_heads, longest, block_n, device))
     live = torch.ones(bs, dtype=torch.int32, device=device) if live is None else live.to(device, torch.int32)
     tree = mask is not None
@@ -85,8 +94,9 @@ def verify_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     tv._verify_split_kernel[(bs * chunks, num_kv_heads, splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, live, mask if tree else live,
         m, l, acc, scale * LOG2E, tokens, num_kv_heads, num_q_heads, splits, req_to_token.stride(0),
+        (softcap or 0.0) * LOG2E, -1 if window is None else int(window),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        GROUP=group, QP=qp, D=head_dim, DP=dp, BN=block_n, ROUND=rnd, DOT=dot, TREE=tree,
+        GROUP=group, QP=qp, D=head_dim, DP=dp, BN=block_n, ROUND=rnd, DOT=dot, TREE=tree, SOFTCAP=bool(softcap),
         num_warps=num_warps or (4 if qp <= 64 else 8), num_stages=num_stages,
     )
     out = _combine(m, l, acc, q.dtype, False)

@@ -77,6 +77,9 @@ def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = Fa
             self.skip_rows = ()  # rows deferred this round (staggered verifies): no attention
             self.runtime = runtime  # its parking: verify waits for parked KV per layer
             self.kernel = verify_kernel_available(model_runner.device) and not deterministic
+            # SGLang's CUDA attention backends soft-cap scores by a layer's logit_cap (Gemma 2,
+            # Grok); torch_native, the CPU engine's, does not: verify does as decode does
+            self.soft_caps = torch.device(model_runner.device).type == "cuda" and not deterministic
 
         def __getattr__(self, name):
             return getattr(self.inner, name)
@@ -114,6 +117,8 @@ def verify_attention(backend, q, layer, forward_batch):
     seq_lens = forward_batch.seq_lens.tolist()
     rows = forward_batch.req_pool_indices.tolist()
     tree = verify_tree_mask(forward_batch, bs, n, q.device)  # [bs, n, n]
+    window = sliding_window(layer)
+    cap = logit_cap(layer) if backend.soft_caps else None
     out = q.new_empty((bs, n, hq, dv))
     for b in range(bs):
         if b in backend.skip_rows:  # its full KV stays parked; its logits are not used
@@ -123,13 +128,20 @@ def verify_attention(backend, q, layer, forward_batch):
         slots = req_to_token[rows[b], : prefix + n].to(torch.int64)
         keys, values = k_cache[slots], v_cache[slots]  # [prefix + n, H_kv, D]
         if backend.deterministic:
-            out[b] = decode_shaped_rows(q[b], keys, values, prefix, layer.scaling, hq != keys.shape[1])
+            out[b] = decode_shaped_rows(q[b], keys, values, prefix, layer.scaling, hq != keys.shape[1], window)
             continue
         visible = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=q.device), tree[b]], dim=1)
-        o = F.scaled_dot_product_attention(
-            q[b].transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
-            attn_mask=visible, scale=layer.scaling, enable_gqa=hq != keys.shape[1],
-        )  # [H_q, n, Dv]
+        if window is not None:  # token j (position prefix + j) sees positions prefix + j - window .. on
+            positions = torch.arange(prefix + n, device=q.device)
+            visible &= positions[None, :] >= positions[prefix:, None] - window
+        if cap is not None:
+            o = capped_attention(q[b].transpose(0, 1).float(), keys.transpose(0, 1).float(),
+                                 values.transpose(0, 1).float(), visible, layer.scaling, cap)
+        else:
+            o = F.scaled_dot_product_attention(
+                q[b].transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
+                attn_mask=visible, scale=layer.scaling, enable_gqa=hq != keys.shape[1],
+            )  # [H_q, n, Dv]
         out[b] = o.transpose(0, 1).to(out.dtype)
     return out.reshape(bs * n, hq * dv)
 
@@ -159,23 +171,51 @@ def verify_on_kernel(backend, q, layer, forward_batch):
         live = torch.tensor([b not in backend.skip_rows for b in range(bs)], dtype=torch.int32).to(q.device)
     out = kv.verify_attention(q.reshape(bs, n, hq, d), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
                               forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling, live=live,
-                              mask=mask, longest=longest)
+                              mask=mask, longest=longest, window=sliding_window(layer),
+                              softcap=logit_cap(layer) if backend.soft_caps else None)
     return out.reshape(bs * n, hq * dv)
 
 
-def decode_shaped_rows(q, keys, values, prefix, scale, gqa):
+def sliding_window(layer):
+    """The layer's sliding window as SGLang's decode applies it (a query at position p sees
+    positions p - window .. p), or None for full attention."""
+    window = getattr(layer, "sliding_window_size", None)
+    return window if window is not None and window > -1 and not getattr(layer, "is_cross_attention", False) else None
+
+
+def logit_cap(layer):
+    """The layer's attention logit soft cap (scores -> cap * tanh(score / cap)), or None."""
+    cap = getattr(layer, "logit_cap", None)
+    return float(cap) if cap else None
+
+
+def capped_attention(q, keys, values, visible, scale, cap):
+    """Attention with soft-capped scores (SDPA has no cap). q [H_q, n, D]; keys / values
+    [H_kv, L, D]; visible [n, L]."""
+    group = q.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    scores = cap * torch.tanh(q @ keys.transpose(1, 2) * scale / cap)
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ values
+
+
+def decode_shaped_rows(q, keys, values, prefix, scale, gqa, window=None):
     """Deterministic mode: verify row j computed exactly as SGLang's torch_native decode
-    computes a one-token step at that position (same call, shapes and strides), so its
-    output is bit-equal to decode's. Valid for a linear chain (row j sees the prefix and
-    rows 0..j). q: [n, H_q, D]; keys/values: [prefix + n, H_kv, D]."""
+    computes a one-token step at that position (same call, shapes, strides and, on a
+    sliding-window layer, the same window mask), so its output is bit-equal to decode's.
+    Valid for a linear chain (row j sees the prefix and rows 0..j). q: [n, H_q, D];
+    keys/values: [prefix + n, H_kv, D]."""
     rows = []
     for j in range(q.shape[0]):
         end = prefix + j + 1
+        mask = None
+        if window is not None:
+            positions = torch.arange(end, device=q.device).unsqueeze(0)
+            mask = (positions <= end - 1) & (positions >= end - 1 - window)  # [1, end]
         o = F.scaled_dot_product_attention(
             q[j : j + 1].movedim(0, 1).unsqueeze(0),  # [1, H_q, 1, D]
             keys[:end].movedim(0, 1).unsqueeze(0),
             values[:end].movedim(0, 1).unsqueeze(0),
-            attn_mask=None, enable_gqa=gqa, scale=scale, is_causal=False,
+            attn_mask=mask, enable_gqa=gqa, scale=scale, is_causal=False,
         )
         rows.append(o.squeeze(0).movedim(1, 0))  # [1, H_q, Dv]
     return torch.cat(rows)

@@ -85,6 +85,18 @@ def check_kv_cache_dtype(dtype) -> None:
                          "checkpoint) or bfloat16")
 
 
+def check_kv_pool(pool) -> None:
+    """Verify and the compressors read every layer's KV through the token table's slots of
+    the full pool. A hybrid sliding-window pool (SGLang's SWAKVPool, for models with
+    sliding-window layers unless --disable-hybrid-swa-memory) keeps those layers' KV in a
+    pool of its own, at other slots: verify would read other tokens' KV and its outputs
+    would differ from decoding's. Refused when the worker starts."""
+    if getattr(pool, "swa_kv_pool", None) is not None:
+        raise ValueError(f"--speculative-algorithm VERICACHE does not read a hybrid sliding-window KV pool "
+                         f"({type(pool).__name__}: sliding-window layers' KV at slots of their own); pass "
+                         "--disable-hybrid-swa-memory")
+
+
 def flag_value(argv: list[str], flag: str):
     for i, a in enumerate(argv):
         if a == flag and i + 1 < len(argv):

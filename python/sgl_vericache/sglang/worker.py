@@ -27,7 +27,7 @@ from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
-from sgl_vericache.sglang.server import (check_cuda_graphs, check_kv_cache_dtype, check_parallelism,
+from sgl_vericache.sglang.server import (check_cuda_graphs, check_kv_cache_dtype, check_kv_pool, check_parallelism,
                                          check_parking_args)
 from sgl_vericache.spec.ranks import first_rank_values
 from sgl_vericache.spec.round import RoundBatch, Speculator, device_clock, last_token
@@ -167,6 +167,7 @@ class VeriCacheWorker(NGRAMWorker):
         self.cuda_graphs = not getattr(server_args, "disable_cuda_graph", True)
         check_cuda_graphs(self.cuda_graphs, self.device)
         check_kv_cache_dtype(self.model_runner.kv_cache_dtype)
+        check_kv_pool(self.model_runner.token_to_kv_pool)
         check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1))
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
         runtime = self.runtime
