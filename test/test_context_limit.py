@@ -48,7 +48,11 @@ def _generate(model, prompts, spec):
         assert engine.tokenizer_manager.context_len == CONTEXT
         params = [{**PARAMS, "max_new_tokens": CONTEXT - len(p) - extra} for p, extra in zip(prompts, (0, 40))]
         outs = engine.generate(input_ids=prompts, sampling_params=params)
-        cut = engine.get_server_info()["internal_states"][0].get("vericache", {}).get("context_limited_rounds")
+        state = engine.get_server_info()["internal_states"][0]
+        cut = state.get("vericache", {}).get("context_limited_rounds")
+        if spec:  # read once SGLang built the pool (the GPU kernels' warm-up needs it; nothing compiles on CPU)
+            assert state["vericache_kernels"]["head_layout"].startswith(
+                "HeadLayout(num_q_heads=9, num_kv_heads=3, head_dim=64"), state.get("vericache_kernels")
         return [o["output_ids"] for o in outs], [o["meta_info"].get("spec_verify_ct", 0) for o in outs], cut
     finally:
         engine.shutdown()

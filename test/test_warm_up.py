@@ -52,9 +52,15 @@ def test_the_configured_compressors_are_the_ones_plans_share():
 
 
 def test_no_warm_up_where_drafting_runs_on_torch():
+    """A CPU worker compiles nothing, but reads its head layout all the same (as a GPU one
+    does, once SGLang has built the pool: the engine tests check it is there) and says why
+    nothing was compiled."""
     seam = _Seam(device="cpu")
-    _speculator(seam).warm_up_kernels()
-    assert seam.layout_calls == 0  # a CPU worker does not even look at its heads
+    spec = _speculator(seam)
+    spec.warm_up_kernels()
+    assert seam.layout_calls == 1
+    assert spec.kernels == {"head_layout": str(LAYOUT), "draft": "off: draft attention runs on torch here",
+                            "verify": "off: verify attention runs on torch here"}
     comps = _speculator(_Seam()).planner.configured_compressors()
     assert warm_up(comps, LAYOUT, torch.device("cpu")) is None
     assert warm_up(comps, LAYOUT, torch.device("cpu"), draft_kernels=False) is None
@@ -69,6 +75,20 @@ def test_a_failed_warm_up_is_logged_and_the_worker_goes_on(monkeypatch, caplog):
     assert seam.layout_calls == 1
     failed = [r for r in caplog.records if "failed" in r.getMessage()]
     assert failed and "streamingllm, kivi4" in failed[0].getMessage() and "no heads here" in caplog.text
+    spec = _speculator(_Seam(device="cuda", error=RuntimeError("no heads here")))
+    spec.warm_up_kernels()
+    assert spec.kernels["head_layout"] == "unreadable: RuntimeError: no heads here"
+    assert spec.kernels["draft"] == "compiled at first use (no head layout)"
+
+
+def test_without_warm_up_the_kernels_compile_at_first_use(monkeypatch):
+    monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: True)
+    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: True)
+    monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_up", lambda *a: pytest.fail("compiled"))
+    spec = _speculator(_Seam(device="cuda"))
+    spec.warm_up_kernels(compile_now=False)
+    assert spec.kernels == {"head_layout": str(LAYOUT), "draft": "compiled at first use (not asked to)",
+                            "verify": "compiled at first use (not asked to)"}
 
 
 @pytest.mark.parametrize("compressor", ["auto", "kivi2"])
@@ -111,12 +131,17 @@ def test_the_worker_warms_the_verify_kernel_for_its_longest_block(monkeypatch, c
     monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: False)
     monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: True)
     monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_verify", fake_warm_verify)
+    specs = []
     for draft_len in (12, 4):
+        specs.append(_speculator(_Seam(device="cuda"), draft_len=draft_len, deterministic=deterministic))
         with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.round"):
-            _speculator(_Seam(device="cuda"), draft_len=draft_len, deterministic=deterministic).warm_up_kernels()
+            specs[-1].warm_up_kernels()
     if deterministic:
         assert calls == [], calls
+        assert specs[0].kernels["verify"] == "off: deterministic mode verifies on torch"
         return
+    assert specs[0].kernels["verify"] == "ready in 0.5 s", specs[0].kernels
+    assert specs[1].kernels["verify"].startswith("compiled at first use (warm-up failed: RuntimeError: no compiler")
     assert calls == [(LAYOUT, 13, "cuda"), (LAYOUT, 5, "cuda")], calls
     failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert len(failed) == 1 and "verify kernel for blocks of up to 5 tokens" in failed[0], failed

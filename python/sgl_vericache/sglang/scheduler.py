@@ -189,6 +189,8 @@ def install_fetch_drafting(runtime: Runtime) -> None:
 def install_internal_state(runtime: Runtime) -> None:
     """``/server_info`` (``Engine.get_server_info()``) ``internal_states[i]["vericache"]``: the
     worker's counters and gauges (the same numbers ``/metrics`` has with --enable-metrics);
+    ``["vericache_kernels"]``: the head layout the GPU kernels were warmed for and what
+    their start-up warm-up did;
     ``["vericache_preempted"]``: preempted requests whose KV stayed in the tree, and the
     tokens it newly kept (any engine)."""
     from sglang.srt.managers.scheduler_components.internal_state import SchedulerInternalStateController
@@ -203,6 +205,7 @@ def install_internal_state(runtime: Runtime) -> None:
                     speculator.stats.tier(speculator.tier)
                 speculator.stats.gauge("captured_query_requests", len(speculator.queries))
                 state["vericache"] = speculator.stats.snapshot()
+                state["vericache_kernels"] = dict(speculator.kernels)
             # every engine, speculation on or off (see install_keep_preempted_kv)
             state["vericache_preempted"] = {"requests": rt.preempted_requests, "kept_tokens": rt.preempted_kept_tokens}
 

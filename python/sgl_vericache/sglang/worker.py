@@ -167,7 +167,6 @@ class VeriCacheWorker(NGRAMWorker):
         self.cuda_graphs = not getattr(server_args, "disable_cuda_graph", True)
         check_cuda_graphs(self.cuda_graphs, self.device)
         check_kv_cache_dtype(self.model_runner.kv_cache_dtype)
-        check_kv_pool(self.model_runner.token_to_kv_pool)
         check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1))
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
         runtime = self.runtime
@@ -181,8 +180,6 @@ class VeriCacheWorker(NGRAMWorker):
             self.vc = dataclasses.replace(self.vc, fetch_draft_tokens=0)
         rng = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
         self.speculator = Speculator(self.vc, self.seam, Stats(get_observability().enable_metrics), rng)
-        if self.vc.warm_up_kernels:
-            self.speculator.warm_up_kernels()
         self.ngram_corpus = NoCorpus(self.speculator.release_departed)
         self.verify_backend = None
         if self.vc.full_device_budget >= 0:
@@ -194,6 +191,10 @@ class VeriCacheWorker(NGRAMWorker):
 
     def alloc_memory_pool(self, **kwargs):
         super().alloc_memory_pool(**kwargs)
+        # SGLang builds this worker before the KV pool (Scheduler.init_model_worker): what
+        # reads the pool runs from here on, not in __init__
+        check_kv_pool(self.model_runner.token_to_kv_pool)
+        self.speculator.warm_up_kernels(compile_now=self.vc.warm_up_kernels)
         # NGRAM sizes its verify buffers for one fixed width; keep one set per width
         # so that a round verifies only as many tokens as its longest draft needs.
         self.max_width = self.draft_token_num

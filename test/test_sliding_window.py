@@ -1,0 +1,84 @@
+"""Exactness on a model with sliding-window layers (Gemma 3's layout; gpt-oss, OLMo 3 and
+Gemma 2 alike): greedy token ids with VERICACHE equal speculation off past the window.
+
+The model is a tiny random-weight Gemma 3 text model (2 layers: one sliding-window layer of
+16 positions, one full; the default model's tokenizer), built with transformers in the
+test's temporary directory. Its prompts are 70 and 79 tokens, so every verify round sees
+positions its window has left. Before verify attention followed windows, the first rounds
+already diverged (token 1 of both requests: checked by hand with the window ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+WINDOW, PROMPTS, NEW = 16, (70, 79), 40
+
+
+def _tiny_gemma3(dest, tokenizer_dir, window=WINDOW):
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048,
+                              query_pre_attn_scalar=16, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # wide enough that outputs vary (the default init repeats one token)
+        for p in model.parameters():
+            p.normal_(std=0.05)
+    model.save_pretrained(dest)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, dest / f.name)
+    return model
+
+
+def _prompts():
+    return [[(i * 37 + 11 * b) % 40000 + 100 for i in range(n)] for b, n in enumerate(PROMPTS)]
+
+
+def _generate(model_dir, spec: bool):
+    from sgl_vericache.config import VeriCacheConfig
+
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    from sglang.srt.entrypoints.engine import Engine
+
+    kw = {}
+    if spec:
+        VeriCacheConfig(compressor="streamingllm", draft_len=8, adaptive=False).to_env()
+        kw = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
+                  speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
+    engine = Engine(model_path=str(model_dir), device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                    dtype="float32", max_total_tokens=4096, log_level="warning", **kw)
+    try:
+        outs = engine.generate(input_ids=_prompts(),
+                               sampling_params={"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True})
+        state = engine.get_server_info()["internal_states"][0]
+        return [o["output_ids"] for o in outs], [o["meta_info"].get("spec_verify_ct", 0) for o in outs], state
+    finally:
+        engine.shutdown()
+
+
+def test_greedy_ids_equal_speculation_off_past_the_window(default_model_path, tmp_path):
+    import torch
+
+    model_dir = tmp_path / "gemma3-tiny"
+    model = _tiny_gemma3(model_dir, default_model_path)
+    # the window matters for these prompts: transformers' own greedy decode changes without it
+    ids = torch.tensor([_prompts()[0]])
+    windowed = model.generate(ids, max_new_tokens=12, do_sample=False)[0, PROMPTS[0]:].tolist()
+    wide = _tiny_gemma3(tmp_path / "wide", default_model_path, window=4096)
+    assert wide.generate(ids, max_new_tokens=12, do_sample=False)[0, PROMPTS[0]:].tolist() != windowed
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["sliding_window"] == WINDOW
+
+    ref, _, _ = _generate(model_dir, spec=False)
+    ours, rounds, state = _generate(model_dir, spec=True)
+    assert len(set(ref[0])) > 3, ref  # not one repeated token
+    assert ours == ref, [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(ours, ref)]
+    assert all(0 < r < NEW for r in rounds), rounds  # it speculated
+    assert state["vericache_kernels"]["head_layout"].startswith("HeadLayout(num_q_heads=4, num_kv_heads=2, head_dim=16")
