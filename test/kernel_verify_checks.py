@@ -92,15 +92,9 @@ def check_verify_kernel(shape: Shape, tokens: int, device, tree: bool = False, s
     return _close(out, ref, shape.dtype, f"verify T={tokens}")
 
 
-class _Pool:
-    def __init__(self, k_buffer, v_buffer):
-        self.k_buffer, self.v_buffer = k_buffer, v_buffer
-
-    def get_key_buffer(self, layer_id):
-        return self.k_buffer
-
-    def get_value_buffer(self, layer_id):
-        return self.v_buffer
+def _kv_pool(k_buffer, v_buffer):
+    """A KV pool as verify reads one: every layer's buffers are these."""
+    return SimpleNamespace(get_key_buffer=lambda layer_id: k_buffer, get_value_buffer=lambda layer_id: v_buffer)
 
 
 def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...] = (), seed: int = 3,
@@ -119,7 +113,7 @@ def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...
                             spec_info=SimpleNamespace(custom_mask=_mask(bs, tokens, False, 0).flatten().to(device)))
 
     def backend(kernel: bool):
-        return SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_Pool(k_buffer, v_buffer),
+        return SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k_buffer, v_buffer),
                                req_to_token_pool=SimpleNamespace(req_to_token=table), skip_rows=frozenset(skip),
                                deterministic=False, kernel=kernel, soft_caps=bool(logit_cap))
 

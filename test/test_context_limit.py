@@ -12,7 +12,6 @@ token: token ids equal speculation off.
 from __future__ import annotations
 
 import json
-import os
 
 CONTEXT = 320
 PARAMS = {"temperature": 0, "ignore_eos": True}
@@ -34,16 +33,10 @@ def _short_context_model(model_path, tmp_path):
 def _generate(model, prompts, spec):
     from sgl_vericache.config import VeriCacheConfig
 
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    from sglang.srt.entrypoints.engine import Engine
+    from engines import cpu_engine
 
-    kw = {}
-    if spec:
-        VeriCacheConfig(compressor="streamingllm", draft_len=16, adaptive=False).to_env()
-        kw = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=17,
-                  speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
-    engine = Engine(model_path=str(model), device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                    dtype="float32", max_total_tokens=4096, log_level="warning", **kw)
+    engine = cpu_engine(model, VeriCacheConfig(compressor="streamingllm", draft_len=16, adaptive=False)
+                        if spec else None)
     try:
         assert engine.tokenizer_manager.context_len == CONTEXT
         params = [{**PARAMS, "max_new_tokens": CONTEXT - len(p) - extra} for p, extra in zip(prompts, (0, 40))]

@@ -11,7 +11,6 @@ already diverged (token 1 of both requests: checked by hand with the window igno
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 WINDOW, PROMPTS, NEW = 16, (70, 79), 40
@@ -44,16 +43,10 @@ def _prompts():
 def _generate(model_dir, spec: bool):
     from sgl_vericache.config import VeriCacheConfig
 
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    from sglang.srt.entrypoints.engine import Engine
+    from engines import cpu_engine
 
-    kw = {}
-    if spec:
-        VeriCacheConfig(compressor="streamingllm", draft_len=8, adaptive=False).to_env()
-        kw = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=9,
-                  speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True)
-    engine = Engine(model_path=str(model_dir), device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                    dtype="float32", max_total_tokens=4096, log_level="warning", **kw)
+    engine = cpu_engine(model_dir, VeriCacheConfig(compressor="streamingllm", draft_len=8, adaptive=False)
+                        if spec else None)
     try:
         outs = engine.generate(input_ids=_prompts(),
                                sampling_params={"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True})

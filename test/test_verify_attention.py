@@ -20,15 +20,9 @@ HQ, HKV, D, SCALE = 6, 2, 16, 0.3
 PREFIXES, BLOCK = (23, 9), 5  # verified tokens per request; the round's block (root + drafts)
 
 
-class _Pool:
-    def __init__(self, k, v):
-        self.k, self.v = k, v
-
-    def get_key_buffer(self, layer_id):
-        return self.k
-
-    def get_value_buffer(self, layer_id):
-        return self.v
+def _kv_pool(k_buffer, v_buffer):
+    """A KV pool as verify reads one: every layer's buffers are these."""
+    return SimpleNamespace(get_key_buffer=lambda layer_id: k_buffer, get_value_buffer=lambda layer_id: v_buffer)
 
 
 def _setup(seed=0):
@@ -62,7 +56,7 @@ def _decode_rows(k, v, table, rows, q, window):
 
 
 def _verify(k, v, table, rows, q, window, deterministic, logit_cap=0.0):
-    backend = SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_Pool(k, v), skip_rows=(),
+    backend = SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k, v), skip_rows=(),
                               req_to_token_pool=SimpleNamespace(req_to_token=table), deterministic=deterministic,
                               kernel=False, soft_caps=False)
     layer = SimpleNamespace(tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D, layer_id=0, scaling=SCALE,
