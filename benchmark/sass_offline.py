@@ -132,17 +132,18 @@ QUEST_VARIANTS = {
 }
 # the verify kernel (kernels/verify.py) as verify_attention launches it on a bf16 pool, d=128:
 # Llama-3-8B's group of 4 with 5 block tokens (QP 32), Llama-70B/TP8's group of 8 with 9 (QP
-# 128, 8 warps), and under a verify mask (TREE). name -> as QUEST_VARIANTS
+# 128, 8 warps), under a verify mask (TREE) and soft-capped (SOFTCAP). name -> as QUEST_VARIANTS
 _VERIFY_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "row_ptr": "*i64",
                 "prefix_ptr": "*i64", "live_ptr": "*i32", "mask_ptr": "*u8", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*fp32", "qk_scale": "fp32", "T": "i32", "H": "i32", "HQ": "i32", "NUM_SPLITS": "i32",
-                "table_stride": "i32", "window": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32",
-                "stride_vh": "i32"}
-_VERIFY = dict(GROUP=4, QP=32, D=128, DP=128, BN=32, ROUND=2, DOT=2, TREE=False)
+                "table_stride": "i32", "softcap": "fp32", "window": "i32", "stride_kt": "i32", "stride_kh": "i32",
+                "stride_vt": "i32", "stride_vh": "i32"}
+_VERIFY = dict(GROUP=4, QP=32, D=128, DP=128, BN=32, ROUND=2, DOT=2, TREE=False, SOFTCAP=False)
 VERIFY_VARIANTS = {
     "verify_qp32": (tv._verify_split_kernel, _VERIFY_ARGS, _VERIFY, 32, 4, 2),
     "verify_qp128": (tv._verify_split_kernel, _VERIFY_ARGS, {**_VERIFY, "GROUP": 8, "QP": 128}, 32, 8, 2),
     "verify_tree": (tv._verify_split_kernel, _VERIFY_ARGS, {**_VERIFY, "TREE": True}, 32, 4, 2),
+    "verify_softcap": (tv._verify_split_kernel, _VERIFY_ARGS, {**_VERIFY, "SOFTCAP": True}, 32, 4, 2),
 }
 # what test_kernels.py compiles: each format's default launch on a GPU (half products, inline PTX),
 # for a lone entry and, _addr, for several read in place (and the fused split merge, LaunchConfig.fused,
@@ -258,7 +259,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     int8 = [n for n in VARIANTS if n.startswith("int8")]
     decode = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), "quest_kv", "quest_kv_fused"]
-    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), *QUEST_VARIANTS, *VERIFY_VARIANTS,
+    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), *QUEST_VARIANTS,
+             *VERIFY_VARIANTS,
              *(f"{n}_off64" for n in decode),
              *(f"{n}_addr" for n in [*decode, "quest_query", "page_scores_kv", "page_scores_query"])]
     ap.add_argument("--only", nargs="*", choices=every, default=every)
