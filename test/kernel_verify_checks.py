@@ -120,6 +120,9 @@ def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...
     on = backend(True)
     got = attention.verify_attention(on, q, layer, batch)
     assert on.kernel, "the kernel path fell back to torch"
+    shared = on.kernel_batch  # made at the first layer, reused by the next ones of this forward
+    assert shared[0] is batch and torch.equal(attention.verify_attention(on, q, layer, batch), got)
+    assert on.kernel_batch is shared
     ref = attention.verify_attention(backend(False), q, layer, batch)
     assert got.shape == ref.shape == (bs * tokens, hq * d), (got.shape, ref.shape)
     return _close(got, ref, shape.dtype, "verify backend, kernel vs torch")

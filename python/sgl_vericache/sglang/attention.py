@@ -75,6 +75,7 @@ def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = Fa
             self.capture_rids = None
             self.deterministic = deterministic
             self.skip_rows = ()  # rows deferred this round (staggered verifies): no attention
+            self.kernel_batch = None  # (forward batch, what its layers' verify kernel launches share)
             self.runtime = runtime  # its parking: verify waits for parked KV per layer
             self.kernel = verify_kernel_available(model_runner.device) and not deterministic
             # SGLang's CUDA attention backends soft-cap scores by a layer's logit_cap (Gemma 2,
@@ -86,6 +87,11 @@ def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = Fa
 
         def init_forward_metadata(self, forward_batch):
             self.inner.init_forward_metadata(forward_batch)
+
+        def end_forward(self):
+            """After a forward: no rows deferred, nothing of its batch kept."""
+            self.skip_rows = ()
+            self.kernel_batch = None
 
         def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             if not forward_batch.forward_mode.is_target_verify():
@@ -162,18 +168,35 @@ def verify_on_kernel(backend, q, layer, forward_batch):
         return None
     bs = forward_batch.batch_size
     n = q.numel() // (bs * hq * d)
-    mask = getattr(forward_batch.spec_info, "custom_mask", None)
-    mask = mask.reshape(bs, n, n) if mask is not None and mask.numel() == bs * n * n else None
-    seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
-    longest = int(seq_lens_cpu.max()) + n if seq_lens_cpu is not None and bs else None
-    live = None
-    if backend.skip_rows:  # deferred rows: their full KV stays parked, their logits are not used
-        live = torch.tensor([b not in backend.skip_rows for b in range(bs)], dtype=torch.int32).to(q.device)
+    live, mask, longest = kernel_batch(backend, forward_batch, n, q.device)
     out = kv.verify_attention(q.reshape(bs, n, hq, d), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
                               forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling, live=live,
                               mask=mask, longest=longest, window=sliding_window(layer),
                               softcap=logit_cap(layer) if backend.soft_caps else None)
     return out.reshape(bs * n, hq * dv)
+
+
+def kernel_batch(backend, forward_batch, n, device):
+    """(live, mask, longest): what every layer's verify kernel launch in one forward shares,
+    made at its first layer (a host -> device copy and a mask conversion, not one a layer):
+    the rows verified (None: all; deferred rows' full KV stays parked), the verify mask as
+    the kernel reads it (uint8 [bs, n, n]; None: a chain), the longest row on the host."""
+    cached = getattr(backend, "kernel_batch", None)
+    if cached is not None and cached[0] is forward_batch:
+        return cached[1]
+    bs = forward_batch.batch_size
+    mask = getattr(forward_batch.spec_info, "custom_mask", None)
+    if mask is not None and mask.numel() == bs * n * n:
+        mask = mask.reshape(bs, n, n).to(torch.uint8).contiguous()
+    else:
+        mask = None
+    seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+    longest = int(seq_lens_cpu.max()) + n if seq_lens_cpu is not None and bs else None
+    live = None
+    if backend.skip_rows:
+        live = torch.tensor([b not in backend.skip_rows for b in range(bs)], dtype=torch.int32).to(device)
+    backend.kernel_batch = (forward_batch, (live, mask, longest))
+    return live, mask, longest
 
 
 def sliding_window(layer):

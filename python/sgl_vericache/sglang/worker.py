@@ -254,7 +254,7 @@ class VeriCacheWorker(NGRAMWorker):
         finally:
             self.runtime.active_worker = None
             deferred = spec.close_round()
-            self.verify_backend.skip_rows = ()
+            self.verify_backend.end_forward()
         if self.plain:
             # NGRAM's non-verify branch returns one token per row; the scheduler reads a
             # decode result at the round's row stride, as a round lays its tokens out
