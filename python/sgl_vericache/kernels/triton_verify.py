@@ -52,6 +52,24 @@ def _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t,
     return _softmax_step(m_i, l_i, acc, s, v, DOT)
 
 
+@triton.jit
+def _fold_prefix(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, lo, end, lowest, h, stride_kt,
+                 stride_kh, stride_vt, stride_vh, qk_scale, softcap, PER_ROW: tl.constexpr, BN: tl.constexpr,
+                 D: tl.constexpr, DP: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Fold verified positions lo .. end - 1, which every query row sees (PER_ROW: each row
+    only from its ``lowest`` position on, where a sliding window has left some of them)."""
+    for start in range(lo, end, BN):
+        t = start + tl.arange(0, BN)
+        visible = (t < end)[None, :]
+        if PER_ROW:
+            visible = visible & (t[None, :] >= lowest[:, None])
+        t = tl.minimum(t, end - 1)  # positions past the end read the last one again, unseen
+        m_i, l_i, acc = _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t, visible, h,
+                                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, softcap, D, DP, ROUND,
+                                    DOT, SOFTCAP)
+    return m_i, l_i, acc
+
+
 # T (the round's block) and the split count change from one round to the next; the token
 # table's width is the server's, but not specializing on it keeps the variants a start-up
 # warm-up compiles (spec/warm_up.py: warm_verify) independent of it
@@ -104,20 +122,12 @@ def _verify_split_kernel(
     # the verified prefix: positions below prefix + T - 1 - window, which the window hides
     # from some rows, masked per row; the rest (all of it without a window) seen by every row
     seen_by_all = tl.minimum(tl.maximum(lo, tl.where(windowed, prefix + T - 1 - window, 0)), prefix_hi)
-    for start in range(lo, seen_by_all, BN):
-        t = start + tl.arange(0, BN)
-        visible = (t < seen_by_all)[None, :] & (t[None, :] >= lowest[:, None])
-        t = tl.minimum(t, seen_by_all - 1)
-        m_i, l_i, acc = _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t, visible, h,
-                                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, softcap, D, DP, ROUND,
-                                    DOT, SOFTCAP)
-    for start in range(tl.maximum(lo, seen_by_all), prefix_hi, BN):
-        t = start + tl.arange(0, BN)
-        visible = (t < prefix_hi)[None, :]
-        t = tl.minimum(t, prefix_hi - 1)  # positions past the end read the last one again, unseen
-        m_i, l_i, acc = _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t, visible, h,
-                                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, softcap, D, DP, ROUND,
-                                    DOT, SOFTCAP)
+    m_i, l_i, acc = _fold_prefix(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, lo, seen_by_all,
+                                 lowest, h, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, softcap, True, BN,
+                                 D, DP, ROUND, DOT, SOFTCAP)
+    m_i, l_i, acc = _fold_prefix(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride,
+                                 tl.maximum(lo, seen_by_all), prefix_hi, lowest, h, stride_kt, stride_kh, stride_vt,
+                                 stride_vh, qk_scale, softcap, False, BN, D, DP, ROUND, DOT, SOFTCAP)
     for start in range(tl.maximum(lo, prefix), hi, BN):  # the block, under the verify mask
         t = start + tl.arange(0, BN)
         live = t < hi
