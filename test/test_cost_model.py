@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 import cost_model as cm  # noqa: E402
+import gpu_projection as gp  # noqa: E402
 
 SMOL, LLAMA = cm.smollm2_135m(), cm.llama_70b()
 # an H100-like device with no capacity limit, so batch effects do not mix into the checks
@@ -241,24 +242,24 @@ def _bench_kernels_json(draft_fraction=0.7, full_fraction=0.8, loader_gbps=50.0,
 
 
 def test_gpu_kernel_terms_pick_the_nearest_combo_and_the_faster_baseline():
-    terms = cm.gpu_kernel_terms(_bench_kernels_json(), context=32768, batch=8)
+    terms = gp.gpu_kernel_terms(_bench_kernels_json(), context=32768, batch=8)
     assert (terms["context"], terms["batch"]) == (32768, 8)
     assert terms["full"]["method"] == "triton_paged" and terms["full"]["hbm_fraction"] == pytest.approx(0.8)
     assert terms["draft"]["kivi4"]["read_ratio"] == pytest.approx(3.2)
     assert terms["draft"]["droppers"]["speedup_vs_full"] == pytest.approx(4.0 * 0.7 / 0.8)
     assert "kivi2" not in terms["draft"]  # a row that failed to run carries no terms
     assert terms["host_link_GBps"] == 50.0
-    far = cm.gpu_kernel_terms(_bench_kernels_json(), context=4096, batch=1)
+    far = gp.gpu_kernel_terms(_bench_kernels_json(), context=4096, batch=1)
     assert (far["context"], far["batch"]) == (8192, 1)
     with pytest.raises(ValueError, match="no timed full-KV rows for shape 'llama3-8b'"):
-        cm.gpu_kernel_terms(_bench_kernels_json(), shape="llama3-8b")
+        gp.gpu_kernel_terms(_bench_kernels_json(), shape="llama3-8b")
 
 
 def test_gpu_projection_uses_the_measured_attention_terms():
     """Measured efficiencies below the peak can only slow both arms relative to the roofline;
     a slower draft kernel lowers VeriCache's projection and leaves the full-KV arm alone; at
     the peak with the roofline's link the projection is the roofline's (paper_report)."""
-    proj = cm.gpu_projection(cm.gpu_kernel_terms(_bench_kernels_json()))
+    proj = gp.gpu_projection(gp.gpu_kernel_terms(_bench_kernels_json()))
     roof = proj["roofline"]["tok_s"]
     for name in ("kivi4", "droppers", "int8"):
         m = proj["methods"][name]
@@ -267,11 +268,11 @@ def test_gpu_projection_uses_the_measured_attention_terms():
             m["tok_s"]["vericache_offloaded"] / 256)
     assert proj["methods"]["droppers"]["tok_s"]["vericache_offloaded"] > proj["methods"]["int8"]["tok_s"][
         "vericache_offloaded"]  # reads 1/4 against 1/2, at the same efficiency
-    slow = cm.gpu_projection(cm.gpu_kernel_terms(_bench_kernels_json(draft_fraction=0.2)))["methods"]["kivi4"]
+    slow = gp.gpu_projection(gp.gpu_kernel_terms(_bench_kernels_json(draft_fraction=0.2)))["methods"]["kivi4"]
     assert slow["tok_s"]["vericache_offloaded"] < proj["methods"]["kivi4"]["tok_s"]["vericache_offloaded"]
     assert slow["tok_s"]["full_resident"] == proj["methods"]["kivi4"]["tok_s"]["full_resident"]
     ideal = _bench_kernels_json(draft_fraction=1.0, full_fraction=1.0, loader_gbps=64.0)
-    at_peak = cm.gpu_projection(cm.gpu_kernel_terms(ideal))["methods"]["droppers"]
+    at_peak = gp.gpu_projection(gp.gpu_kernel_terms(ideal))["methods"]["droppers"]
     assert at_peak["tok_s"]["full_resident"] == pytest.approx(roof["full_resident"])
     assert at_peak["tok_s"]["vericache_offloaded"] == pytest.approx(roof["vericache_offloaded"])
     assert "upper bound" in proj["why"]
@@ -283,22 +284,22 @@ def test_gpu_projection_prices_verify_by_the_verify_kernel_where_timed():
     absent, the full-KV decode's share. A slower verify lowers only VeriCache's arms: the
     resident one at once, the offloaded one (bound by the host link at the paper's setting)
     once the verify's attention outlasts what the link hides (here at 2% of HBM)."""
-    plain = cm.gpu_projection(cm.gpu_kernel_terms(_bench_kernels_json()))
+    plain = gp.gpu_projection(gp.gpu_kernel_terms(_bench_kernels_json()))
     assert plain["terms"]["verify"] is None
     data = _bench_kernels_json(verify_fractions={"triton_verify_t5": 0.8, "triton_verify_t17": 0.4,
                                                  "torch_verify_t17": 0.01})
-    terms = cm.gpu_kernel_terms(data)
+    terms = gp.gpu_kernel_terms(data)
     assert terms["verify"]["method"] == "triton_verify_t17" and terms["verify"]["verify_tokens"] == 17
     assert terms["verify"]["decode_steps"] == pytest.approx(2.0)  # 0.8 of HBM against 0.4: twice a decode step
-    slow = cm.gpu_projection(terms)
-    crawl = cm.gpu_projection(cm.gpu_kernel_terms(_bench_kernels_json(verify_fractions={"triton_verify_t17": 0.02})))
+    slow = gp.gpu_projection(terms)
+    crawl = gp.gpu_projection(gp.gpu_kernel_terms(_bench_kernels_json(verify_fractions={"triton_verify_t17": 0.02})))
     for name in ("kivi4", "droppers"):
         a, b, c = (p["methods"][name]["tok_s"] for p in (plain, slow, crawl))
         assert b["vericache_resident"] < a["vericache_resident"] and b["full_resident"] == a["full_resident"]
         assert b["vericache_offloaded"] <= a["vericache_offloaded"] and c["vericache_offloaded"] < a[
             "vericache_offloaded"]
         assert c["full_resident"] == a["full_resident"] and c["full_offloaded"] == a["full_offloaded"]
-    same = cm.gpu_projection(cm.gpu_kernel_terms(_bench_kernels_json(verify_fractions={"triton_verify_t17": 0.8})))
+    same = gp.gpu_projection(gp.gpu_kernel_terms(_bench_kernels_json(verify_fractions={"triton_verify_t17": 0.8})))
     assert same["methods"]["kivi4"]["tok_s"] == pytest.approx(plain["methods"]["kivi4"]["tok_s"])
 
 
