@@ -143,22 +143,24 @@ def check_verify_warm_up(device) -> float:
     """spec.warm_up.warm_verify compiles every verify kernel variant later rounds launch:
     blocks of every length up to its bound, other batch sizes, prefix lengths and token
     table widths, deferred rows, through the verify backend, launch no kernel whose Triton
-    cache key the warm-up did not (and on CUDA, compile nothing new)."""
+    cache key the warm-up did not (and on CUDA, compile nothing new); for a model that
+    soft-caps its scores (the layout's ``logit_cap``), the capped variant's."""
     from sgl_vericache.spec.warm_up import HeadLayout, warm_verify
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    layout = HeadLayout(8, 2, 64, dtype, dtype)
-    with LaunchKeys() as warm:
-        warm_verify(layout, 9, device)
-    assert any(name == "_verify_split_kernel" for name, _ in warm.keys), warm.keys
-    compiled = _compiled_count(device)
-    with LaunchKeys() as real:
-        for tokens, lengths, skip in ((1, (5,), ()), (3, (40, 17), (0,)), (6, (90, 3, 33), ()), (9, (64, 70), (1,))):
-            check_verify_backend(Shape(lengths, kv_heads=2, group=4, dtype=dtype), tokens, device, skip=skip)
-    missing = real.keys - warm.keys
-    assert real.keys and not missing, f"{len(missing)} verify launch variants the warm-up did not compile: " + \
-        "; ".join(f"{name} {key[:300]}" for name, key in sorted(missing))
-    assert _compiled_count(device) == compiled, (compiled, _compiled_count(device))
+    for cap in (0.0, 30.0):
+        with LaunchKeys() as warm:
+            warm_verify(HeadLayout(8, 2, 64, dtype, dtype, logit_cap=cap), 9, device)
+        assert any(name == "_verify_split_kernel" for name, _ in warm.keys), warm.keys
+        compiled = _compiled_count(device)
+        with LaunchKeys() as real:
+            for tokens, lengths, skip in ((1, (5,), ()), (3, (40, 17), (0,)), (6, (90, 3, 33), ()), (9, (64, 70), (1,))):
+                check_verify_backend(Shape(lengths, kv_heads=2, group=4, dtype=dtype), tokens, device, skip=skip,
+                                     logit_cap=cap)
+        missing = real.keys - warm.keys
+        assert real.keys and not missing, f"cap {cap}: {len(missing)} verify launch variants the warm-up did not " + \
+            "compile: " + "; ".join(f"{name} {key[:300]}" for name, key in sorted(missing))
+        assert _compiled_count(device) == compiled, (cap, compiled, _compiled_count(device))
     return 0.0
 
 

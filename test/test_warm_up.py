@@ -173,12 +173,12 @@ def test_the_worker_reads_its_layout_from_the_first_attention_layer():
     from sgl_vericache.sglang.worker import WorkerSeam
 
     model = nn.Sequential(nn.Linear(4, 4), RadixAttention(num_heads=12, head_dim=128, scaling=0.1, num_kv_heads=4,
-                                                          layer_id=3))
+                                                          layer_id=3, logit_cap=50.0))
     buffers = {3: torch.empty(8, 4, 128, dtype=torch.float16)}
     seam = WorkerSeam.__new__(WorkerSeam)
     seam.model_runner = SimpleNamespace(model=model, token_to_kv_pool=SimpleNamespace(get_key_buffer=buffers.get),
                                         model_config=SimpleNamespace(dtype=torch.bfloat16))
-    assert seam.head_layout() == HeadLayout(12, 4, 128, torch.float16, torch.bfloat16)
+    assert seam.head_layout() == HeadLayout(12, 4, 128, torch.float16, torch.bfloat16, logit_cap=50.0)
     seam.model_runner.model = nn.Linear(4, 4)
     assert seam.head_layout() is None
 

@@ -118,9 +118,10 @@ class WorkerSeam:
     def head_layout(self):
         """This worker's attention heads and dtypes, as the draft kernels see them (their
         start-up warm-up, ``spec.warm_up``): from the model's first RadixAttention layer
-        and the full KV pool; None for a model without one."""
+        (its heads and logit soft cap) and the full KV pool; None for a model without one."""
         from sglang.srt.layers.radix_attention import RadixAttention
 
+        from sgl_vericache.sglang.attention import logit_cap
         from sgl_vericache.spec.warm_up import HeadLayout
 
         layer = next((m for m in self.model_runner.model.modules() if isinstance(m, RadixAttention)), None)
@@ -128,7 +129,7 @@ class WorkerSeam:
             return None
         keys = self.model_runner.token_to_kv_pool.get_key_buffer(layer.layer_id)
         return HeadLayout(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, keys.dtype,
-                          self.model_runner.model_config.dtype)
+                          self.model_runner.model_config.dtype, logit_cap(layer) or 0.0)
 
     def full_kv_bytes_per_token(self) -> int:
         """Bytes of full KV per token (every layer's keys and values); 0 if the pool has no

@@ -12,8 +12,9 @@ compressor options, never on the lengths a round sees (the kernels do not specia
 them; test/kernel_checks.py's warm-up cases compare Triton's own cache keys).
 
 ``warm_verify`` does the same for the verify kernel (kernels/verify.py), whose variants
-depend on the head layout, dtypes and how many query rows a program holds: one launch per
-size that verify blocks of 1 .. draft_len + 1 tokens pick.
+depend on the head layout, dtypes, whether the model soft-caps its attention scores and how
+many query rows a program holds: one launch per size that verify blocks of 1 ..
+draft_len + 1 tokens pick.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class HeadLayout:
     head_dim: int
     kv_dtype: torch.dtype  # the full KV pool's (the compressors read it)
     q_dtype: torch.dtype  # the draft passes' queries (the model's dtype)
+    logit_cap: float = 0.0  # the attention scores' soft cap (Gemma 2, Grok); 0: none. Only the
+    # verify kernel reads it (a capped model's verify launches its capped variant)
 
     def __post_init__(self):
         if self.num_kv_heads < 1 or self.num_q_heads % self.num_kv_heads or self.head_dim < 1:
@@ -111,7 +114,8 @@ def warm_verify(layout: HeadLayout, tokens: int, device: torch.device) -> float:
     """Launch the verify kernel once for every query-rows size (its compile-time QP) a
     verify block of 1 .. ``tokens`` tokens picks, under a verify mask as VERICACHE's
     rounds pass one, over a small pool in SGLang's layout and dtypes (int32 token table,
-    int64 lengths and rows); then the split merge at every split count. Seconds taken."""
+    int64 lengths and rows), soft-capped as the layout's model caps; then the split merge at
+    every split count. Seconds taken."""
     from sgl_vericache.kernels import ops, verify
 
     device = torch.device(device)
@@ -129,7 +133,8 @@ def warm_verify(layout: HeadLayout, tokens: int, device: torch.device) -> float:
     for t in sizes.values():
         q = _randn(gen, (1, t, layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
         mask = torch.tril(torch.ones(1, t, t, dtype=torch.bool, device=device))
-        verify.verify_attention(q, k, v, table, rows, prefix, layout.head_dim ** -0.5, mask=mask, longest=32 + t)
+        verify.verify_attention(q, k, v, table, rows, prefix, layout.head_dim ** -0.5, mask=mask, longest=32 + t,
+                                softcap=layout.logit_cap or None)
     ops.warm_merges(layout.num_q_heads, ops._pow2(layout.head_dim), layout.q_dtype, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
