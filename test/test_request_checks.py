@@ -38,6 +38,20 @@ def refused(body, limits=WITH_VC, names=checks.NATIVE) -> str:
     ({"text": "hi", "sampling_params": {"n": 0}}, ["sampling_params.n 0"]),
     ({"text": ["a", "b"], "sampling_params": [{}, {"custom_params": {"vericache_draft_len": 4.5}}]},
      ["sampling_params[1]: custom_params vericache_draft_len 4.5"]),
+    # a bias past float32 (or NaN, +inf) made every probability NaN: the sampled verify's draw
+    # raised (token 0 for ever, spec off); a null or a string raised in the scheduler
+    ({"text": "hi", "sampling_params": {"logit_bias": {"5": 1e308}}},
+     ["sampling_params.logit_bias['5'] 1e+308", "a number up to 1e+30", "-inf bans it"]),
+    ({"text": "hi", "sampling_params": {"logit_bias": {"5": float("nan")}}}, ["logit_bias['5'] nan"]),
+    ({"text": "hi", "sampling_params": {"logit_bias": {"5": 1.0, "7": float("inf")}}},
+     ["sampling_params.logit_bias['7'] inf"]),
+    ({"text": "hi", "sampling_params": {"logit_bias": {"5": 2e30}}}, ["logit_bias['5'] 2e+30"]),
+    ({"text": "hi", "sampling_params": {"logit_bias": {"5": -(10 ** 400)}}}, ["logit_bias['5'] -1000"]),
+    ({"text": "hi", "sampling_params": {"logit_bias": {"5": None}}}, ["logit_bias['5'] None"]),
+    ({"text": "hi", "sampling_params": {"logit_bias": {"5": "1.5"}}}, ["logit_bias['5'] '1.5'"]),
+    ({"text": "hi", "sampling_params": {"logit_bias": {"5": True}}}, ["logit_bias['5'] True"]),
+    ({"text": "hi", "sampling_params": {"logit_bias": {"five": 1}}}, ["logit_bias key 'five' is not a token id"]),
+    ({"text": "hi", "sampling_params": {"logit_bias": [1, 2]}}, ["sampling_params.logit_bias [1, 2] is not an object"]),
 ])
 def test_refused_and_named(body, named):
     message = refused(body)
@@ -76,6 +90,8 @@ def test_custom_params_refused_when_vericache_is_on(custom_params, named):
     {"text": "hi", "sampling_params": {"custom_params": {"vericache_compressor": "quest",
                                                          "vericache_compressor_options": {"page_size": 16}}}},
     {"text": " "},
+    {"text": "hi", "sampling_params": {"logit_bias": {"5": float("-inf"), "6": -1e308, "7": 1e30, "8": 100, "9": 0}}},
+    {"text": "hi", "sampling_params": {"logit_bias": {}}},
     # shapes SGLang's own contract check answers are left to it
     {"input_ids": "abc"}, {"text": 5}, {"sampling_params": [1]}, [1, 2], None,
 ])
@@ -90,6 +106,8 @@ def test_openai_names():
     assert message.startswith("top_logprobs 1000000"), message
     message = refused({"text": "hi", "sampling_params": {"n": 500}}, names=checks.OPENAI_COMPLETIONS)
     assert message.startswith("n 500"), message
+    message = refused({"text": "hi", "sampling_params": {"logit_bias": {"3": 1e300}}}, names=checks.OPENAI_CHAT)
+    assert message.startswith("logit_bias['3'] 1e+300"), message
     message = refused({"text": "hi", "sampling_params": {"custom_params": {"vericache_draft_len": 0}}},
                       names=checks.OPENAI_CHAT)
     assert message.startswith("custom_params vericache_draft_len 0"), message

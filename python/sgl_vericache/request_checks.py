@@ -11,7 +11,11 @@ server. These are the fields and the rules (docs/reliability.md has the full tab
 - ``top_logprobs_num`` (OpenAI ``logprobs`` / ``top_logprobs``): 0 to the vocabulary size;
 - ``sampling_params``: only the fields SGLang's ``SamplingParams`` has (an unknown one was a
   500); ``stop_regex`` patterns that compile (a bad one raised ``re.error``, a 500);
-  ``n`` from 1 to ``MAX_N`` (each sample is a request of its own);
+  ``n`` from 1 to ``MAX_N`` (each sample is a request of its own); ``logit_bias`` an object
+  of token ids to numbers up to ``MAX_LOGIT_BIAS`` (a bias past float32's range, 1e308 say,
+  made every token's probability NaN: the sampled verify's draw raised and the server
+  stopped; speculation off emits token 0 for ever; in the offline Engine, a null or a
+  string raised in the scheduler);
 - ``session_params``: SGLang's ``SessionParams`` fields with their types (an unknown one was
   a 500, a wrong type reaches the scheduler);
 - ``sampling_params.custom_params``: VeriCache's ``vericache_*`` keys, when VeriCache is
@@ -32,6 +36,9 @@ from typing import Any, Mapping, Optional
 
 SESSION_FIELDS = {"id": str, "rid": str, "offset": int, "replace": bool, "drop_previous_output": bool}
 MAX_N = 128  # samples per prompt (OpenAI's own limit); each is a scheduled request
+# the largest logit bias: its token already certain at any temperature, and the scores still
+# finite in float32 after SGLang divides them by a temperature down to 1e-6
+MAX_LOGIT_BIAS = 1e30
 _SHOW = 60  # characters of a value shown in an error
 
 
@@ -63,10 +70,11 @@ class Names:
 
 
 NATIVE = Names()
+_OPENAI_TOP_LEVEL = {"n": "n", "stop_regex": "stop_regex", "logit_bias": "logit_bias"}
 OPENAI_COMPLETIONS = Names(text="prompt", input_ids="prompt", top_logprobs_num="logprobs", sampling_params="",
-                           extra={"n": "n", "stop_regex": "stop_regex"})
+                           extra=_OPENAI_TOP_LEVEL)
 OPENAI_CHAT = Names(text="messages", input_ids="messages", top_logprobs_num="top_logprobs", sampling_params="",
-                    extra={"n": "n", "stop_regex": "stop_regex"})
+                    extra=_OPENAI_TOP_LEVEL)
 
 
 def show(value: Any) -> str:
@@ -119,8 +127,8 @@ def check_top_logprobs(num: Any, name: str, limits: Limits) -> None:
 
 def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Optional[frozenset] = None) -> None:
     """What SGLang does not check in ``sampling_params``: its field names (``fields``), the
-    ``stop_regex`` patterns, ``n`` and, when ``vericache`` (the server's VeriCacheConfig) is
-    given, VeriCache's ``custom_params``."""
+    ``stop_regex`` patterns, ``n``, ``logit_bias`` and, when ``vericache`` (the server's
+    VeriCacheConfig) is given, VeriCache's ``custom_params``."""
     if not isinstance(params, dict):
         return
     unknown = sorted(map(str, set(params) - fields)) if fields is not None else []
@@ -131,7 +139,33 @@ def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Opt
     n = params.get("n")
     if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
         raise RequestError(f"{names.sampling('n')} {show(n)} is out of range; accepted: an integer from 1 to {MAX_N}")
+    check_logit_bias(params.get("logit_bias"), names.sampling("logit_bias"))
     check_custom_params(params.get("custom_params"), names.sampling_params, vericache)
+
+
+def check_logit_bias(bias: Any, name: str) -> None:
+    """An object of token ids (integers, or strings of them: SGLang reads ``int(key)``; its
+    own check bounds them by the vocabulary) to biases: numbers up to MAX_LOGIT_BIAS (any
+    negative one; -inf bans the token)."""
+    if bias is None:
+        return
+    accepted = (f"a number up to {MAX_LOGIT_BIAS:g} (any negative one lowers the token's chance; "
+                "-inf bans it)")
+    if not isinstance(bias, dict):
+        raise RequestError(f"{name} {show(bias)} is not an object; accepted: an object of token ids to biases, "
+                           f"each {accepted}")
+    for key, value in bias.items():
+        try:
+            int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"{name} key {show(key)} is not a token id; accepted: integers, as strings "
+                               'such as "42"') from None
+        try:  # an integer past float's range overflows in SGLang's bias tensor
+            usable = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) <= MAX_LOGIT_BIAS
+        except OverflowError:
+            usable = False
+        if not usable:  # NaN compares false: refused too
+            raise RequestError(f"{name}[{key!r}] {show(value)} is not a usable bias; accepted: {accepted}")
 
 
 def check_session_params(params: Any, name: str = "session_params") -> None:

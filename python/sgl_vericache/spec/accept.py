@@ -172,7 +172,8 @@ def _drawable(probs: torch.Tensor) -> torch.Tensor:
     entries, or no mass: a target distribution that came out undefined) replaced by a
     one-hot on its largest finite entry (token 0 if none), so that one request's undefined
     distribution does not raise in ``torch.multinomial`` and take every request on the
-    server with it. Seen once under API fuzzing (an unseeded n=2 completion); logged."""
+    server with it. Seen once under API fuzzing (an unseeded n=2 completion whose logit_bias
+    was inf in float32; request_checks refuses those now); logged."""
     bad = ~(torch.isfinite(probs).all(-1) & (probs >= 0).all(-1) & (probs.sum(-1) > 0))
     if not bool(bad.any()):
         return probs
