@@ -52,6 +52,10 @@ def refused(body, limits=WITH_VC, names=checks.NATIVE) -> str:
     ({"text": "hi", "sampling_params": {"logit_bias": {"5": True}}}, ["logit_bias['5'] True"]),
     ({"text": "hi", "sampling_params": {"logit_bias": {"five": 1}}}, ["logit_bias key 'five' is not a token id"]),
     ({"text": "hi", "sampling_params": {"logit_bias": [1, 2]}}, ["sampling_params.logit_bias [1, 2] is not an object"]),
+    # 0 in float32: a repeated token's score divided by 0
+    ({"text": "hi", "sampling_params": {"repetition_penalty": 5e-324}},
+     ["sampling_params.repetition_penalty 5e-324", "from 1e-20 to 2"]),
+    ({"text": "hi", "sampling_params": {"repetition_penalty": 1e-30}}, ["repetition_penalty 1e-30"]),
 ])
 def test_refused_and_named(body, named):
     message = refused(body)
@@ -92,6 +96,8 @@ def test_custom_params_refused_when_vericache_is_on(custom_params, named):
     {"text": " "},
     {"text": "hi", "sampling_params": {"logit_bias": {"5": float("-inf"), "6": -1e308, "7": 1e30, "8": 100, "9": 0}}},
     {"text": "hi", "sampling_params": {"logit_bias": {}}},
+    {"text": "hi", "sampling_params": {"repetition_penalty": 1e-20}},
+    {"text": "hi", "sampling_params": {"repetition_penalty": 0}},  # SGLang's own check refuses it
     # shapes SGLang's own contract check answers are left to it
     {"input_ids": "abc"}, {"text": 5}, {"sampling_params": [1]}, [1, 2], None,
 ])

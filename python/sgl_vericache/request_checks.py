@@ -15,7 +15,9 @@ server. These are the fields and the rules (docs/reliability.md has the full tab
   of token ids to numbers up to ``MAX_LOGIT_BIAS`` (a bias past float32's range, 1e308 say,
   made every token's probability NaN: the sampled verify's draw raised and the server
   stopped; speculation off emits token 0 for ever; in the offline Engine, a null or a
-  string raised in the scheduler);
+  string raised in the scheduler); ``repetition_penalty`` not below
+  ``MIN_REPETITION_PENALTY`` (SGLang takes any value in (0, 2]: one that is 0 in float32,
+  5e-324 say, divides a repeated token's score by 0, NaN again);
 - ``session_params``: SGLang's ``SessionParams`` fields with their types (an unknown one was
   a 500, a wrong type reaches the scheduler);
 - ``sampling_params.custom_params``: VeriCache's ``vericache_*`` keys, when VeriCache is
@@ -39,6 +41,9 @@ MAX_N = 128  # samples per prompt (OpenAI's own limit); each is a scheduled requ
 # the largest logit bias: its token already certain at any temperature, and the scores still
 # finite in float32 after SGLang divides them by a temperature down to 1e-6
 MAX_LOGIT_BIAS = 1e30
+# the smallest repetition penalty: a repeated token's score (up to 3e12) divided by it and by
+# a temperature down to 1e-6 stays finite in float32 (SGLang accepts any positive value)
+MIN_REPETITION_PENALTY = 1e-20
 _SHOW = 60  # characters of a value shown in an error
 
 
@@ -70,7 +75,8 @@ class Names:
 
 
 NATIVE = Names()
-_OPENAI_TOP_LEVEL = {"n": "n", "stop_regex": "stop_regex", "logit_bias": "logit_bias"}
+_OPENAI_TOP_LEVEL = {"n": "n", "stop_regex": "stop_regex", "logit_bias": "logit_bias",
+                     "repetition_penalty": "repetition_penalty"}
 OPENAI_COMPLETIONS = Names(text="prompt", input_ids="prompt", top_logprobs_num="logprobs", sampling_params="",
                            extra=_OPENAI_TOP_LEVEL)
 OPENAI_CHAT = Names(text="messages", input_ids="messages", top_logprobs_num="top_logprobs", sampling_params="",
@@ -127,8 +133,9 @@ def check_top_logprobs(num: Any, name: str, limits: Limits) -> None:
 
 def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Optional[frozenset] = None) -> None:
     """What SGLang does not check in ``sampling_params``: its field names (``fields``), the
-    ``stop_regex`` patterns, ``n``, ``logit_bias`` and, when ``vericache`` (the server's
-    VeriCacheConfig) is given, VeriCache's ``custom_params``."""
+    ``stop_regex`` patterns, ``n``, ``logit_bias``, a vanishing ``repetition_penalty`` and,
+    when ``vericache`` (the server's VeriCacheConfig) is given, VeriCache's
+    ``custom_params``."""
     if not isinstance(params, dict):
         return
     unknown = sorted(map(str, set(params) - fields)) if fields is not None else []
@@ -140,6 +147,10 @@ def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Opt
     if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
         raise RequestError(f"{names.sampling('n')} {show(n)} is out of range; accepted: an integer from 1 to {MAX_N}")
     check_logit_bias(params.get("logit_bias"), names.sampling("logit_bias"))
+    penalty = params.get("repetition_penalty")
+    if isinstance(penalty, (int, float)) and not isinstance(penalty, bool) and 0 < penalty < MIN_REPETITION_PENALTY:
+        raise RequestError(f"{names.sampling('repetition_penalty')} {show(penalty)} is too small to compute with; "
+                           f"accepted: a number from {MIN_REPETITION_PENALTY:g} to 2 (1 = no penalty)")
     check_custom_params(params.get("custom_params"), names.sampling_params, vericache)
 
 
