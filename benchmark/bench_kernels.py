@@ -532,7 +532,7 @@ def _provenance(device) -> dict:
             "triton": triton.__version__, "python": platform.python_version(), "host": platform.node()}
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_out = Path(os.environ["OUT"]) / "bench_kernels.json" if os.environ.get("OUT") else None
     ap.add_argument("--out", type=Path, default=default_out, help="JSON result (default: $OUT/bench_kernels.json)")
@@ -546,33 +546,67 @@ def main() -> None:
     ap.add_argument("--no-loader", action="store_true", help="skip the host -> device loader measurement")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (CPU: TRITON_INTERPRET=1)")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not (args.smoke and ops.interpreting()):
+    if not torch.cuda.is_available() and not (args.smoke and ops.interpreting()):
         ap.error("without CUDA only --smoke runs, under TRITON_INTERPRET=1")
+    return args
+
+
+def main() -> None:
+    args = _arguments()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.monotonic()
     gen = torch.Generator(device=device).manual_seed(0)
     timer = Timer(device, 2 if args.smoke else args.reps, args.hbm_tbps * 1e12)
-    combos = [(256, 2)] if args.smoke else COMBOS
-    shapes = {"llama70b-tp8"} if args.smoke else set(SHAPES)
     default = {m: ops.LaunchConfig(block_n=16 if args.smoke else None) for m in METHODS}  # None: ops.MEASURED_LAUNCH
     configs = {name: dict(default) for name in SHAPES}  # shape -> method -> launch
     result = {"generated": time.strftime("%Y-%m-%d %H:%M:%S"), **_provenance(device), "hbm_bytes_per_s": timer.hbm,
               "dtype": "bf16", "extras_seen": EXTRAS, "methods": METHODS, "ratio_droppers_quest": RATIO,
               "smoke": args.smoke, "rows": [], "skipped": []}
     if not (args.no_tune or args.smoke):
-        result["tuning"] = []
-        for i, shape_name in enumerate(SHAPES):  # each shape its share of the tuning budget
-            deadline = started + args.tune_budget_s * (i + 1) / len(SHAPES)
-            try:
-                sizes = [tuple(int(x) for x in c.split(",")) for c in args.tune_configs] if args.tune_configs else None
-                best, log = tune(timer, device, gen, 32768, 8, shape_name, deadline, sizes)
-                configs[shape_name].update(best)
-                result["tuning"] += log
-            except Exception as exc:  # noqa: BLE001 - measure with the defaults instead
-                result["tuning"].append({"shape": shape_name, "error": f"{type(exc).__name__}: {exc}"[:300]})
-            print(f"tuned {shape_name}: " + ", ".join(f"{m} {_launch(c)}" for m, c in configs[shape_name].items()),
-                  flush=True)
+        result["tuning"] = _tune_shapes(args, timer, device, gen, configs, started)
     result["launch"] = {name: {m: _launch(c) for m, c in per.items()} for name, per in configs.items()}
+    _bench_combos(args, timer, device, gen, configs, started, result)
+    result["pack"] = _bench_packs(args, timer, device, gen, configs, started, result)
+    if device.type == "cuda" and not args.no_loader:
+        try:
+            result["loader"] = loader = bench_loader(timer, device, gen, config=configs["llama70b-tp8"]["kivi4"])
+            print(f"loader: {loader['GBps']:.1f} GB/s, {loader['transfer_hidden_fraction']:.2f} of the transfer "
+                  f"hidden behind a draft round ({loader['draft_round_ms']:.1f} ms vs {loader['copy_ms']:.1f} ms)")
+        except Exception as exc:  # noqa: BLE001
+            result["loader"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    result["targets"] = targets([r for r in result["rows"] if "ms" in r])
+    result["seconds"] = time.monotonic() - started
+    print(f"bench_kernels: {len(result['rows'])} rows, {len(result['skipped'])} skipped, targets "
+          f"quantizers>=70%: {result['targets']['quantizers_at_70pct']}, 4x>=3x: {result['targets']['draft_4x_at_3x']},"
+          f" {result['seconds']:.0f} s")
+    if args.out:
+        _write(args.out, result)
+        print(f"wrote {args.out}")
+
+
+def _tune_shapes(args, timer, device, gen, configs, started) -> list[dict]:
+    """The launch search at 32k x 8 per shape, each its share of the tuning budget; the best
+    sizes go into ``configs``. Returns the search's log."""
+    log = []
+    sizes = [tuple(int(x) for x in c.split(",")) for c in args.tune_configs] if args.tune_configs else None
+    for i, shape_name in enumerate(SHAPES):
+        deadline = started + args.tune_budget_s * (i + 1) / len(SHAPES)
+        try:
+            best, tried = tune(timer, device, gen, 32768, 8, shape_name, deadline, sizes)
+            configs[shape_name].update(best)
+            log += tried
+        except Exception as exc:  # noqa: BLE001 - measure with the defaults instead
+            log.append({"shape": shape_name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        print(f"tuned {shape_name}: " + ", ".join(f"{m} {_launch(c)}" for m, c in configs[shape_name].items()),
+              flush=True)
+    return log
+
+
+def _bench_combos(args, timer, device, gen, configs, started, result) -> None:
+    """Every (context, batch, shape) that fits the device and the time budget: its rows into
+    ``result``, written after each (partial results survive a timeout)."""
+    combos = [(256, 2)] if args.smoke else COMBOS
+    shapes = {"llama70b-tp8"} if args.smoke else set(SHAPES)
     for context, batch in combos:
         for shape_name in SHAPES:
             if shape_name not in shapes:
@@ -590,11 +624,16 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             print(f"{shape_name:13s} {context:6d} x {batch:2d}: " + ", ".join(_brief(r) for r in rows), flush=True)
-            _write(args.out, result)  # partial results survive a timeout
-    result["pack"] = []
+            _write(args.out, result)
+
+
+def _bench_packs(args, timer, device, gen, configs, started, result) -> list[dict]:
+    """Copying entries into a packed buffer against reading them in place (bench_pack)."""
+    rows = []
     for method, shape_name in (("kivi4", "llama70b-tp8"), ("droppers", "llama70b-tp8"), ("kivi4", "llama3-8b"),
                                ("droppers", "llama3-8b")):
-        if shape_name not in shapes or (not args.smoke and time.monotonic() - started > args.budget_s + 20):
+        if (args.smoke and shape_name != "llama70b-tp8") or (
+                not args.smoke and time.monotonic() - started > args.budget_s + 20):
             continue
         context, batch = (256, 2) if args.smoke else (32768, 8)
         try:
@@ -605,23 +644,10 @@ def main() -> None:
                   f"{row['draft_in_place_ms']:.3f} ms in place", flush=True)
         except Exception as exc:  # noqa: BLE001
             row = {"method": method, "shape": shape_name, "error": f"{type(exc).__name__}: {exc}"[:300]}
-        result["pack"].append(row)
+        rows.append(row)
+        result["pack"] = rows
         _write(args.out, result)
-    if device.type == "cuda" and not args.no_loader:
-        try:
-            result["loader"] = loader = bench_loader(timer, device, gen, config=configs["llama70b-tp8"]["kivi4"])
-            print(f"loader: {loader['GBps']:.1f} GB/s, {loader['transfer_hidden_fraction']:.2f} of the transfer "
-                  f"hidden behind a draft round ({loader['draft_round_ms']:.1f} ms vs {loader['copy_ms']:.1f} ms)")
-        except Exception as exc:  # noqa: BLE001
-            result["loader"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    result["targets"] = targets([r for r in result["rows"] if "ms" in r])
-    result["seconds"] = time.monotonic() - started
-    print(f"bench_kernels: {len(result['rows'])} rows, {len(result['skipped'])} skipped, targets "
-          f"quantizers>=70%: {result['targets']['quantizers_at_70pct']}, 4x>=3x: {result['targets']['draft_4x_at_3x']},"
-          f" {result['seconds']:.0f} s")
-    if args.out:
-        _write(args.out, result)
-        print(f"wrote {args.out}")
+    return rows
 
 
 def _brief(r: dict) -> str:
