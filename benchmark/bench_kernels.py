@@ -14,7 +14,9 @@ of one layer mid-round (16 provisional draft tokens):
            (the last verified token + the drafts) per request, each seeing the prefix and
            the block's tokens before it: the Triton verify kernel (kernels/verify.py, what
            sglang/attention.py runs on CUDA) and, up to 32k x 8, the per-request fp32 SDPA
-           path it replaced; ``decode_steps``: its time in full-KV decode steps
+           path it replaced; ``decode_steps``: its time in full-KV decode steps. Its launch
+           sizes are searched at 32k x 8 (``verify_tuning``: VERIFY_LAUNCHES, within a share
+           of each shape's tuning time); the rows above time the defaults, what the server runs
 
 Each row: median GPU time (a CUDA graph of the call, L2 flushed before each replay), bytes
 the call reads, achieved GB/s and share of the HBM peak (--hbm-tbps, H200 4.8), and the
@@ -91,6 +93,13 @@ TUNE_VARIANTS["int8"] = [{"half": True}, _Q8, {**_Q8, "asm": 2}, *TUNE_VARIANTS[
 TUNE_VARIANTS["droppers"] = [{}, _WIDE, {"fused": True}]
 EXTRAS = 16  # provisional tokens seen (draft step 16 of 32)
 VERIFY_TOKENS = (5, 17)  # verify blocks: a short adaptive round, and the default draft length's (16 + 1)
+# the verify kernel's launch search (a block of 17 tokens at 32k x 8, per head shape, within
+# that shape's share of the tuning budget): (block_n, num_warps (None: the kernel's rule, 4
+# up to 64 query rows, 8 above), num_stages, max_query_rows), its default first; each trial's
+# output is compared with the default's, so a launch that computes wrong cannot win
+VERIFY_LAUNCHES = [(32, None, 2, 128), (64, None, 2, 128), (32, None, 3, 128), (32, None, 2, 64), (16, None, 2, 128),
+                   (64, 8, 3, 128), (32, 4, 2, 32)]
+VERIFY_SEARCH_SHARE = 0.2  # of each shape's tuning time
 RATIO = 4.0
 
 
@@ -357,6 +366,48 @@ def tune(timer, device, gen, context, batch, shape_name, deadline, configs=None)
     return best, log
 
 
+def search_verify(timer, device, gen, context, batch, shape_name, deadline, launches=None) -> list[dict]:
+    """The verify kernel (kernels/verify.py, called directly) on a chain block of the last
+    VERIFY_TOKENS[-1] positions of ``batch`` requests of ``context`` at the launch sizes of
+    ``launches`` (default VERIFY_LAUNCHES) in order, while time to ``deadline`` is left (the
+    default at least): one log row each, ``ms`` and ``max_diff`` from the default's output (a
+    trial off by more than bf16 rounding is an error row, not a candidate)."""
+    from sgl_vericache.kernels import verify
+
+    hq, hkv, d = SHAPES[shape_name]
+    tokens = VERIFY_TOKENS[-1]
+    pool_k, pool_v = (_rand((batch * context, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
+    table = torch.arange(batch * context, dtype=torch.int32, device=device).view(batch, context)
+    prefix = torch.full((batch,), context - tokens, dtype=torch.int64, device=device)
+    q = _rand((batch, tokens, hq, d), torch.bfloat16, device, gen)
+    chain = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=device)).repeat(batch, 1, 1)
+    rows = torch.arange(batch, device=device)
+    log, reference = [], None
+    for block_n, warps, stages, most in launches or VERIFY_LAUNCHES:
+        if reference is not None and time.monotonic() > deadline:
+            break
+        row = {"shape": shape_name, "context": context, "batch": batch, "tokens": tokens, "block_n": block_n,
+               "num_warps": warps, "num_stages": stages, "max_query_rows": most}
+
+        def call(block_n=block_n, warps=warps, stages=stages, most=most):
+            return verify.verify_attention(q, pool_k, pool_v, table, rows, prefix, d ** -0.5, mask=chain,
+                                           longest=context, block_n=block_n, num_warps=warps, num_stages=stages,
+                                           max_query_rows=most)
+
+        try:
+            out = call().float()
+            if reference is None:
+                reference = out
+            row["max_diff"] = float((out - reference).abs().max())
+            if not row["max_diff"] <= 2e-2:  # bf16 outputs of the same sums in another order agree to ~1e-2
+                raise ValueError(f"output differs from the default launch's by {row['max_diff']:.3g}")
+            row["ms"], row["timing"] = timer(call)
+        except Exception as exc:  # noqa: BLE001 - a launch that fails to compile or computes wrong is no candidate
+            row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        log.append(row)
+    return log
+
+
 def trial_order(sizes: list, variants: list) -> list:
     """The search's trials, most informative first for a budget that allows a few: the
     default (first sizes, first variant), then, alternately, one other variant at the first
@@ -563,7 +614,10 @@ def main() -> None:
               "dtype": "bf16", "extras_seen": EXTRAS, "methods": METHODS, "ratio_droppers_quest": RATIO,
               "smoke": args.smoke, "rows": [], "skipped": []}
     if not (args.no_tune or args.smoke):
-        result["tuning"] = _tune_shapes(args, timer, device, gen, configs, started)
+        result["tuning"], result["verify_tuning"] = _tune_shapes(args, timer, device, gen, configs, started)
+    elif args.smoke:  # the verify search's code path, two launches at a tiny size
+        result["verify_tuning"] = _search_verify_logged(timer, device, gen, 256, 2, "llama70b-tp8", float("inf"),
+                                                        VERIFY_LAUNCHES[:1] + VERIFY_LAUNCHES[3:4])
     result["launch"] = {name: {m: _launch(c) for m, c in per.items()} for name, per in configs.items()}
     _bench_combos(args, timer, device, gen, configs, started, result)
     result["pack"] = _bench_packs(args, timer, device, gen, configs, started, result)
@@ -584,22 +638,39 @@ def main() -> None:
         print(f"wrote {args.out}")
 
 
-def _tune_shapes(args, timer, device, gen, configs, started) -> list[dict]:
-    """The launch search at 32k x 8 per shape, each its share of the tuning budget; the best
-    sizes go into ``configs``. Returns the search's log."""
-    log = []
+def _tune_shapes(args, timer, device, gen, configs, started) -> tuple[list[dict], list[dict]]:
+    """The launch search at 32k x 8 per shape, each its share of the tuning budget (of which
+    VERIFY_SEARCH_SHARE for the verify kernel's); the draft kernels' best sizes go into
+    ``configs``. Returns the two searches' logs (draft kernels, verify kernel)."""
+    log, verify_log = [], []
     sizes = [tuple(int(x) for x in c.split(",")) for c in args.tune_configs] if args.tune_configs else None
     for i, shape_name in enumerate(SHAPES):
         deadline = started + args.tune_budget_s * (i + 1) / len(SHAPES)
+        slot = args.tune_budget_s / len(SHAPES)
         try:
-            best, tried = tune(timer, device, gen, 32768, 8, shape_name, deadline, sizes)
+            best, tried = tune(timer, device, gen, 32768, 8, shape_name, deadline - VERIFY_SEARCH_SHARE * slot, sizes)
             configs[shape_name].update(best)
             log += tried
         except Exception as exc:  # noqa: BLE001 - measure with the defaults instead
             log.append({"shape": shape_name, "error": f"{type(exc).__name__}: {exc}"[:300]})
         print(f"tuned {shape_name}: " + ", ".join(f"{m} {_launch(c)}" for m, c in configs[shape_name].items()),
               flush=True)
-    return log
+        verify_log += _search_verify_logged(timer, device, gen, 32768, 8, shape_name, deadline)
+    return log, verify_log
+
+
+def _search_verify_logged(timer, device, gen, context, batch, shape_name, deadline, launches=None) -> list[dict]:
+    try:
+        tried = search_verify(timer, device, gen, context, batch, shape_name, deadline, launches)
+    except Exception as exc:  # noqa: BLE001 - the default verify rows are still measured
+        return [{"shape": shape_name, "error": f"{type(exc).__name__}: {exc}"[:300]}]
+    timed = [r for r in tried if "ms" in r]
+    if timed:
+        best = min(timed, key=lambda r: r["ms"])
+        print(f"verify search {shape_name}: default {timed[0]['ms']:.3f} ms, best {best['ms']:.3f} ms at block "
+              f"{best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, rows "
+              f"{best['max_query_rows']} ({len(tried)} tried)", flush=True)
+    return tried
 
 
 def _bench_combos(args, timer, device, gen, configs, started, result) -> None:

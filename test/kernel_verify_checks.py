@@ -77,7 +77,7 @@ def _mask(bs: int, tokens: int, tree: bool, seed: int) -> torch.Tensor:
 
 def check_verify_kernel(shape: Shape, tokens: int, device, tree: bool = False, skip: tuple[int, ...] = (),
                         num_splits: int = 1, block_n: int = 16, seed: int = 0, window: int | None = None,
-                        softcap: float | None = None) -> float:
+                        softcap: float | None = None, **launch) -> float:
     k_buffer, v_buffer, table, rows, prefix = _pool(shape, tokens, device, seed)
     bs, hq = len(shape.lengths), shape.kv_heads * shape.group
     q = torch.randn(bs, tokens, hq, shape.head_dim, generator=_gen(seed + 7)).to(shape.dtype).to(device)
@@ -85,7 +85,7 @@ def check_verify_kernel(shape: Shape, tokens: int, device, tree: bool = False, s
     live = torch.tensor([b not in skip for b in range(bs)], dtype=torch.int32)
     out = kv.verify_attention(q, k_buffer, v_buffer, table, rows, prefix, SCALE, live=live.to(device),
                               mask=mask.to(device) if tree else None, num_splits=num_splits, block_n=block_n,
-                              window=window, softcap=softcap)
+                              window=window, softcap=softcap, **launch)
     assert out.dtype == q.dtype and out.shape == q.shape, (out.dtype, out.shape)
     assert all(bool((out[b] == 0).all()) for b in skip), "a request not verified must get zeros"
     ref = _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live, window, softcap)
@@ -189,6 +189,11 @@ def verify_cases() -> list[Case]:
                 f"{'mask' if tree else 'chain'} splits={splits}")
         cases.append(Case(name, lambda dev, a=(shape, tokens, tree, splits, window): check_verify_kernel(
             a[0], a[1], dev, tree=a[2], num_splits=a[3], window=a[4]), family="verify", tags=("verify", "window")))
+    # launch sizes bench_kernels' verify search tries: fewer query rows a program (16: three
+    # programs for 9 tokens at GQA 4), 8 warps, 3 stages, a 64-position block
+    cases.append(Case("verify search launch: 16 query rows, block 64, 8 warps, 3 stages", lambda dev: check_verify_kernel(
+        Shape((45, 70, 3), kv_heads=2, group=4), 9, dev, tree=True, num_splits=2, block_n=64, num_warps=8,
+        num_stages=3, max_query_rows=16), family="verify", tags=("verify", "launch")))
     cases.append(Case("verify backend kernel vs torch path", lambda dev: check_verify_backend(
         Shape((50, 9, 31), kv_heads=2, group=4), 5, dev, skip=(1,)), family="verify", tags=("verify",)))
     cases.append(Case("verify backend kernel vs torch path, sliding window", lambda dev: check_verify_backend(

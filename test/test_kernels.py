@@ -216,6 +216,10 @@ def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
     assert set(packs) == {"kivi4", "droppers"} and not [r for r in packs.values() if "error" in r]
     for r in packs.values():
         assert r["entry_bytes"] > 0 and 0 < r["copy_share_of_round"] < 1 and 0 < r["in_place_share_of_round"] < 1
+    # the verify kernel's launch search: the default and 64 query rows a program, the same output
+    search = result["verify_tuning"]
+    assert [(r["max_query_rows"], r["tokens"]) for r in search] == [(128, 17), (64, 17)], search
+    assert all("ms" in r and r["max_diff"] <= 1e-6 for r in search), search
 
 
 def test_the_launch_search_tries_one_change_from_the_default_first():

@@ -43,10 +43,10 @@ def unsupported(q_heads: int, head_dim: int, v_head_dim: int, k_buffer: torch.Te
     return None
 
 
-def query_rows(group: int, tokens: int) -> int:
+def query_rows(group: int, tokens: int, most: int = VERIFY_QUERY_ROWS) -> int:
     """QP: query rows a program holds, a power of two >= 16 (tl.dot's least) holding at
-    least one token's GQA group; as many of the block's tokens as fit VERIFY_QUERY_ROWS."""
-    return max(16, _pow2(group), min(VERIFY_QUERY_ROWS, _pow2(group * tokens)))
+    least one token's GQA group; as many of the block's tokens as fit ``most``."""
+    return max(16, _pow2(group), min(most, _pow2(group * tokens)))
 
 
 def verify_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
@@ -55,14 +55,16 @@ def verify_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      longest: Optional[int] = None, window: Optional[int] = None, softcap: Optional[float] = None,
                      num_splits: Optional[int] = None,
                      block_n: int = VERIFY_BLOCK_N, num_warps: Optional[int] = None,
-                     num_stages: int = 2) -> torch.Tensor:
+                     num_stages: int = 2, max_query_rows: int = VERIFY_QUERY_ROWS) -> torch.Tensor:
     """See the module docstring. ``live`` [B] (nonzero: verified; default all): a request
     not verified reads nothing and gets zeros. ``longest``: the most positions any request
     reads (prefix + T), known on the host (None: read from prefix_lens, a device sync).
     ``window``: a sliding-window layer's (token j at position prefix + j sees positions
     prefix + j - window .. on, as SGLang's decode); None: every position. ``softcap``: a
     soft-capped layer's cap (scores become cap * tanh(score / cap), as SGLang's CUDA
-    backends apply ``logit_cap``); None: no cap."""
+    backends apply ``logit_cap``); None: no cap. The launch sizes (``block_n``, ``num_warps``
+    (None: 4 up to 64 query rows, 8 above), ``num_stages``, ``max_query_rows``: the most a
+    program holds) are bench_kernels.py's verify search's to try; callers keep the defaults."""
     bs, tokens, num_q_heads, head_dim = q.shape
     why = unsupported(num_q_heads, head_dim, head_dim, k_buffer, v_buffer)
     if why:
@@ -72,7 +74,7 @@ def verify_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     device = q.device
     num_kv_heads = k_buffer.shape[1]
     group = num_q_heads // num_kv_heads
-    qp = query_rows(group, tokens)
+    qp = query_rows(group, tokens, max_query_rows)
     chunks = -(-tokens // (qp // group))
     dp = _pow2(head_dim)
     if longest is None:
