@@ -70,6 +70,7 @@ class WorkerSeam:
         from sglang.srt.distributed.parallel_state import get_tp_group
 
         self.tp_group = get_tp_group()
+        self.tp_size = self.tp_group.world_size
 
     def agree(self, seconds) -> tuple:
         """Step times every tensor-parallel rank's planner takes alike: the first rank's."""

@@ -69,6 +69,9 @@ class CompressedKVStore:
         self.tokens_appended = 0
         self.tokens_reused = 0  # verified tokens whose compressed KV came from a shared prefix entry
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def __contains__(self, rid: Hashable) -> bool:
         return rid in self._entries
 

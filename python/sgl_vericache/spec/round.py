@@ -48,6 +48,10 @@ from sgl_vericache.spec.stats import Stats
 
 logger = logging.getLogger(__name__)
 
+# plain decoding iterations after a round's drafting ran out of device memory (its
+# compressed entries were dropped; they are rebuilt when rounds resume)
+OUT_OF_MEMORY_PAUSE = 64
+
 # Prompt queries kept per request and layer for query-aware compressors (SnapKV votes
 # with the last window_size of them; H2O accumulates attention over all it is given).
 MAX_CAPTURED_QUERIES = 512
@@ -164,6 +168,7 @@ class Speculator:
         # of that round: seconds bringing compressed entries and draft buffers up to date (the
         # first round of a request compresses its whole prompt), and of its draft forwards alone
         self.setup_seconds = self.forward_seconds = 0.0
+        self.paused = 0  # plain iterations left after drafting ran out of device memory
 
     def warm_up_kernels(self, compile_now: bool = True) -> None:
         """Read the model's head layout and compile the draft kernels for the configured
@@ -296,6 +301,10 @@ class Speculator:
         the batch returns logprobs or follows a grammar (SGLang's bookkeeping for those expects
         a round)."""
         queued = self.fetch_drafter.queue if self.fetch_drafter is not None else ()
+        if self.paused and not must_round:  # drafting ran out of device memory a moment ago
+            self.paused -= 1
+            self.stats.add("plain_iterations", 1)
+            return 0
         if not self.planner.decide(reqs, verified, queued, must_round):
             self.stats.add("plain_iterations", 1)
             return 0
@@ -310,14 +319,22 @@ class Speculator:
         self.stats.end_iteration(load_seconds)
 
     def draft_round(self, batch: RoundBatch, width: int) -> RoundDrafts:
-        """Steps 1-4 for one decode iteration: every row's root and drafts, padded to ``width``."""
+        """Steps 1-4 for one decode iteration: every row's root and drafts, padded to ``width``.
+        Drafting that runs out of device memory (compressed entries and draft buffers live
+        outside SGLang's pool) leaves the round with its roots alone: see ``_out_of_memory``."""
         bs = len(batch.reqs)
         plans = [self.plan(req) for req in batch.reqs]
         lens = self.draft_lens(batch.reqs, batch.verified)
         if any(n < self.planner.draft_len(plan) for n, plan in zip(lens, plans)):
             self.stats.add("context_limited_rounds", 1)  # cut short so no position passes the context
         t_sync = time.perf_counter()
-        self._sync_store(batch, plans)
+        try:
+            self._sync_store(batch, plans)
+            failed = False
+        except torch.OutOfMemoryError as exc:
+            if not self._out_of_memory(exc):
+                raise
+            failed = True
         verifying = self._verifying_rows(batch)
         if self.vc.full_device_budget >= 0:
             self._stage_full_kv(batch, verifying)
@@ -325,9 +342,18 @@ class Speculator:
         self.deferred = tuple(i for i, v in enumerate(verifying) if not v)
         roots = [last_token(req) for req in batch.reqs]
         steps = max(lens)
-        queued = self._queued_drafts(batch, lens, verifying)
+        queued = {} if failed else self._queued_drafts(batch, lens, verifying)
         t0 = time.perf_counter()
-        drafts = self._draft(batch, roots, steps, queued)  # [bs, steps]
+        drafts = None
+        if not failed:
+            try:
+                drafts = self._draft(batch, roots, steps, queued)  # [bs, steps]
+            except torch.OutOfMemoryError as exc:
+                if not self._out_of_memory(exc):
+                    raise
+        if drafts is None:  # nothing drafted: the roots stand in, verify decodes one token a row
+            drafts, lens = np.repeat(np.asarray(roots, dtype=np.int64)[:, None], steps, axis=1), [0] * bs
+            self.sampled = None if batch.greedy else self.seam.sampled_round(batch.source, [], self.rng)
         self.draft_seconds = time.perf_counter() - t0
         self.forward_seconds = self.draft_seconds - self.layout_seconds
         self.setup_seconds += self.layout_seconds
@@ -338,6 +364,29 @@ class Speculator:
         chain = np.tril(np.ones((width, width), dtype=bool))
         mask = np.broadcast_to(chain, (bs, width, width)).reshape(-1).copy()
         return RoundDrafts(tokens.reshape(-1), mask, width)
+
+    def _out_of_memory(self, exc: BaseException) -> bool:
+        """Drafting ran out of device memory: the compressed entries (and the prefix cache's)
+        are let go and the next OUT_OF_MEMORY_PAUSE iterations decode plainly; this round
+        verifies its roots alone (one token a row, exactly as plain decoding). Under tensor
+        parallelism every rank must run the same forwards, and one rank's allocator does not
+        tell the others: False there (the caller raises, as before)."""
+        if getattr(self.seam, "tp_size", 1) > 1:
+            return False
+        entries, mb = len(self.store), self.store.nbytes() / 2**20
+        self.store.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        if self.fetch_drafter is not None:
+            self.fetch_drafter.clear()
+        self.paused = OUT_OF_MEMORY_PAUSE
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.stats.add("draft_out_of_memory", 1)
+        logger.warning("VeriCache: drafting ran out of device memory (%s); let go of %d compressed entries (%.0f MB) "
+                       "and the compressed prefix cache; the next %d iterations decode without drafts",
+                       str(exc).split("\n")[0][:200], entries, mb, OUT_OF_MEMORY_PAUSE)
+        return True
 
     def close_round(self) -> set:
         """After the iteration's forward, whatever happened: the round's transient state

@@ -80,6 +80,8 @@ class Stats:
         "compressor_switches": "Requests moved to another compressor by --vericache-compressor auto",
         "context_limited_rounds": "Rounds whose drafts were cut so that no verified position passes the model's "
                                   "context",
+        "draft_out_of_memory": "Rounds whose drafting ran out of device memory: they verified their roots alone, "
+                               "the compressed entries were let go and the next iterations decoded plainly",
     }
     GAUGES = {
         "compressed_prefix_bytes": "Bytes of compressed KV held by the prefix cache",

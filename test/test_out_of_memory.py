@@ -1,0 +1,160 @@
+"""A round whose drafting runs out of device memory (compressed entries and draft buffers
+live outside SGLang's KV pool): it verifies its roots alone, the compressed entries go, and
+the next iterations decode plainly; under tensor parallelism the error still propagates.
+The real Speculator and CompressedKVStore on CPU; only the SGLang seam is a stand-in."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_vericache.config import VeriCacheConfig
+from sgl_vericache.spec import round as round_mod
+from sgl_vericache.spec.round import RoundBatch, Speculator
+from sgl_vericache.spec.stats import Stats
+
+H_KV, D, LAYERS = 2, 16, 2
+
+
+class _Passes:
+    """Draft passes whose forward runs out of memory when ``oom`` is set, else answers
+    logits whose argmax is token 5."""
+
+    def __init__(self):
+        self.oom = False
+
+    def for_rows(self, source, keep):
+        return keep
+
+    @contextlib.contextmanager
+    def run(self, draft_batch, store):
+        def forward(tokens, positions):
+            if self.oom:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            logits = torch.zeros(len(draft_batch), 50)
+            logits[:, 5] = 1.0
+            return logits
+
+        yield forward
+
+
+class _Seam:
+    device, num_layers, context_len = "cpu", LAYERS, 4096
+
+    def __init__(self, tp_size=1):
+        self.tp_size = tp_size
+        self.passes = _Passes()
+        self.kv = torch.randn(LAYERS, 2, 600, H_KV, D, generator=torch.Generator().manual_seed(0))
+        self.sync_oom = False
+        self.sampled_rows = []
+
+    def read_kv(self, pool_row):
+        def read(layer_id, start, end):
+            if self.sync_oom:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+            return self.kv[layer_id, 0, start:end], self.kv[layer_id, 1, start:end]
+
+        return read
+
+    def agree(self, values):
+        return tuple(values)
+
+    def abort(self, req, message, status=400):
+        raise AssertionError(message)
+
+    def sampled_round(self, source, rows, rng):
+        self.sampled_rows.append(list(rows))
+        return SimpleNamespace(rows=list(rows))
+
+
+def _req(rid, prompt):
+    params = SimpleNamespace(custom_params=None, temperature=0.0, sampling_seed=None)
+    return SimpleNamespace(rid=rid, origin_input_ids=list(range(1, prompt + 1)), output_ids=[7],
+                           sampling_params=params, cached_tokens=0)
+
+
+def _speculator(seam):
+    vc = VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=4, adaptive=False, compressed_cache_mb=0)
+    return Speculator(vc, seam, Stats(False), torch.Generator().manual_seed(0))
+
+
+def _batch(reqs, greedy=True):
+    verified = [len(r.origin_input_ids) for r in reqs]
+    return RoundBatch(reqs=reqs, verified=verified, pool_rows=list(range(len(reqs))), own_kv_start=[0] * len(reqs),
+                      greedy=greedy, verify_all=False, source=None)
+
+
+def _round(spec, reqs, greedy=True):
+    width = spec.begin_iteration(reqs, [len(r.origin_input_ids) for r in reqs], max_width=5)
+    if not width:
+        return None
+    out = spec.draft_round(_batch(reqs, greedy), width)
+    spec.close_round()
+    return out
+
+
+@pytest.mark.parametrize("where", ["sync", "draft"])
+def test_a_round_out_of_memory_verifies_its_roots_then_pauses(where, caplog):
+    seam = _Seam()
+    spec = _speculator(seam)
+    reqs = [_req("a", 300), _req("b", 200)]
+    ok = _round(spec, reqs)
+    assert ok.width == 5 and list(ok.tokens.reshape(2, 5)[0]) == [7, 5, 5, 5, 5]  # drafted: token 5
+    assert len(spec.store) == 2 and spec.store.nbytes() > 0
+
+    setattr(seam, "sync_oom", True) if where == "sync" else setattr(seam.passes, "oom", True)
+    reqs.append(_req("c", 250))  # a new request: its entry is built this round (where sync runs out)
+    failed = _round(spec, reqs)
+    assert failed.width == 5 and (failed.tokens.reshape(3, 5) == 7).all(), failed.tokens  # roots alone
+    assert spec.lens == [0, 0, 0] and spec.stats.totals["draft_out_of_memory"] == 1
+    assert len(spec.store) == 0 and spec.store.nbytes() == 0  # every compressed entry let go
+    assert "ran out of device memory" in caplog.text and "let go of" in caplog.text
+
+    seam.sync_oom = seam.passes.oom = False
+    verified = [300, 200, 250]
+    assert spec.begin_iteration(reqs, verified, max_width=5, must_round=True) == 5  # logprobs / a grammar: a round
+    plain = [spec.begin_iteration(reqs, verified, max_width=5) for _ in range(round_mod.OUT_OF_MEMORY_PAUSE)]
+    assert plain == [0] * round_mod.OUT_OF_MEMORY_PAUSE  # decoding plainly for a while, then drafting again
+    again = _round(spec, reqs)
+    assert list(again.tokens.reshape(3, 5)[2]) == [7, 5, 5, 5, 5] and len(spec.store) == 3
+
+
+def test_a_sampled_round_out_of_memory_still_accepts_by_sampling():
+    """A batch that samples must be accepted by its SampledRound (SGLang's own verify
+    acceptance commits argmax on CPU): the roots-alone round gets one, with no drafting rows."""
+    seam = _Seam()
+    spec = _speculator(seam)
+    seam.passes.oom = True
+    reqs = [_req("a", 300)]
+    width = spec.begin_iteration(reqs, [300], max_width=5)
+    out = spec.draft_round(_batch(reqs, greedy=False), width)
+    assert spec.sampled is not None and seam.sampled_rows[-1] == []
+    assert (out.tokens == 7).all()
+    spec.close_round()
+
+
+def test_under_tensor_parallelism_the_error_propagates():
+    seam = _Seam(tp_size=2)
+    spec = _speculator(seam)
+    seam.sync_oom = True
+    reqs = [_req("a", 300)]
+    width = spec.begin_iteration(reqs, [300], max_width=5)
+    with pytest.raises(torch.OutOfMemoryError):
+        spec.draft_round(_batch(reqs), width)
+    assert spec.stats.totals["draft_out_of_memory"] == 0
+
+
+def test_other_errors_are_not_taken_for_memory():
+    seam = _Seam()
+    spec = _speculator(seam)
+    reqs = [_req("a", 300)]
+    _round(spec, reqs)
+    seam.passes.run = lambda *a: (_ for _ in ()).throw(RuntimeError("an index error in the draft"))
+    width = spec.begin_iteration(reqs, [300], max_width=5)
+    with pytest.raises(RuntimeError, match="index error"):
+        spec.draft_round(_batch(reqs), width)
+    assert len(spec.store) == 1 and np.isclose(spec.stats.totals["draft_out_of_memory"], 0)
