@@ -494,6 +494,10 @@ class Speculator:
         for i, tokens in queued.items():
             drafts[i, :len(tokens)] = tokens
             drafts[i, len(tokens):] = tokens[-1]
+        # a batch that samples is accepted by its SampledRound, even a round with no drafts
+        # (the context's last position): SGLang's own verify acceptance commits argmax on CPU
+        self.sampled = None if batch.greedy else self.seam.sampled_round(batch.source, keep if steps else [],
+                                                                           self.rng)
         if not keep or not steps:
             return drafts
         t0 = time.perf_counter()
@@ -501,7 +505,6 @@ class Speculator:
         self.layout_seconds = device_clock(self.seam.device) - t0  # a new or rebuilt entry lays out whole
         passes = self.seam.passes
         draft_batch = passes.for_rows(batch.source, keep)
-        self.sampled = None if batch.greedy else self.seam.sampled_round(batch.source, keep, self.rng)
         device = self.seam.device
         tokens = torch.tensor([roots[i] for i in keep], dtype=torch.int64, device=device)
         positions = torch.tensor([batch.verified[i] for i in keep], dtype=torch.int64, device=device)

@@ -1,7 +1,9 @@
-"""A round whose drafting runs out of device memory (compressed entries and draft buffers
-live outside SGLang's KV pool): it verifies its roots alone, the compressed entries go, and
-the next iterations decode plainly; under tensor parallelism the error still propagates.
-The real Speculator and CompressedKVStore on CPU; only the SGLang seam is a stand-in."""
+"""Rounds that verify their roots alone. One whose drafting runs out of device memory
+(compressed entries and draft buffers live outside SGLang's KV pool): the compressed entries
+go and the next iterations decode plainly; under tensor parallelism the error still
+propagates. One at the context's last position (no room for drafts). In both, a batch that
+samples keeps its SampledRound (SGLang's own verify acceptance commits argmax on CPU). The
+real Speculator and CompressedKVStore on CPU; only the SGLang seam is a stand-in."""
 
 from __future__ import annotations
 
@@ -135,6 +137,21 @@ def test_a_sampled_round_out_of_memory_still_accepts_by_sampling():
     assert spec.sampled is not None and seam.sampled_rows[-1] == []
     assert (out.tokens == 7).all()
     spec.close_round()
+
+
+def test_a_sampled_round_at_the_contexts_last_position_is_accepted_by_sampling():
+    """No room for drafts (the round verifies its roots only): before, the round had no
+    SampledRound and a sampling batch's token was SGLang's CPU argmax."""
+    seam = _Seam()
+    seam.context_len = 301  # position 300 is the last
+    spec = _speculator(seam)
+    reqs = [_req("a", 300)]
+    width = spec.begin_iteration(reqs, [300], max_width=5)
+    out = spec.draft_round(_batch(reqs, greedy=False), width)
+    assert width == 1 and list(out.tokens) == [7] and spec.lens == [0]
+    assert spec.sampled is not None and seam.sampled_rows[-1] == []
+    spec.close_round()
+    assert spec.sampled is None
 
 
 def test_under_tensor_parallelism_the_error_propagates():
