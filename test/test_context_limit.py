@@ -4,9 +4,15 @@ A round verifies its root and drafts at positions ``seq_len .. seq_len + width -
 the context's end those would pass the model's last position (its rotary table ends there:
 an index error in the scheduler, the whole server down). The round's draft lengths are cut
 so that every position stays inside the context. Here the default model is served with a
-320-token context (its config's ``max_position_embeddings``), and two requests, one whose
-prompt + ``max_new_tokens`` is exactly the context length, decode together to their last
-token: token ids equal speculation off.
+320-token context (its config's ``max_position_embeddings``), and three requests, two of
+them (one greedy, one with seeded sampling) with prompt + ``max_new_tokens`` exactly the
+context length, decode together to their last token: token ids equal speculation off.
+
+The sampled one also walks into SGLang 0.5.23's own crash near the context's end: a decode
+reserves 2 x the draft tokens of KV past a request's committed length, but its
+request-to-token row had only 4 + the draft tokens past the context (an IndexError in the
+scheduler; ``scheduler.install_context_end_headroom``). Greedy decoding's accepted lengths
+here happen to step over that window; seeded sampling at temperature 0.9 does not.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from __future__ import annotations
 import json
 
 CONTEXT = 320
-PARAMS = {"temperature": 0, "ignore_eos": True}
+GREEDY = {"temperature": 0, "ignore_eos": True}
+SAMPLED = {"temperature": 0.9, "sampling_seed": 11, "ignore_eos": True}
 
 
 def _short_context_model(model_path, tmp_path):
@@ -39,7 +46,8 @@ def _generate(model, prompts, spec):
                         if spec else None)
     try:
         assert engine.tokenizer_manager.context_len == CONTEXT
-        params = [{**PARAMS, "max_new_tokens": CONTEXT - len(p) - extra} for p, extra in zip(prompts, (0, 40))]
+        params = [{**kind, "max_new_tokens": CONTEXT - len(p) - extra}
+                  for p, kind, extra in zip(prompts, (GREEDY, GREEDY, SAMPLED), (0, 40, 0))]
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         state = engine.get_server_info()["internal_states"][0]
         cut = state.get("vericache", {}).get("context_limited_rounds")
@@ -59,13 +67,14 @@ def test_rounds_at_the_end_of_the_context_stay_inside_it(default_model_path, tmp
     text = ("The tile cache daemon keeps a journal per shard and batches its writes; a torn entry is caught by "
             "its checksum and skipped. ") * 12
     ids = tok(text)["input_ids"]
-    prompts = [ids[:270], ids[:230]]  # 270 + 50 new = the context; 230 + 50 new ends 40 short of it
+    prompts = [ids[:270], ids[:230], ids[:270]]  # 270 + 50 new = the context; 230 + 50 new ends 40 short of it
     ref, _, _ = _generate(model, prompts, spec=False)
     ours, rounds, cut = _generate(model, prompts, spec=True)
     # SGLang ends the first at the context's end (a couple of tokens before prompt +
     # max_new_tokens: its own margin), the second at max_new_tokens
     assert len(ref[0]) >= 45 and len(prompts[0]) + len(ref[0]) >= CONTEXT - 4 and len(ref[1]) == 50, \
         [len(o) for o in ref]
+    assert len(ref[2]) == len(ref[0]), [len(o) for o in ref]  # sampled, to the same end
     assert ours == ref, [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(ours, ref)]
-    assert all(0 < r < 50 for r in rounds), rounds  # it speculated (fewer rounds than tokens)
+    assert all(0 < r < 50 for r in rounds[:2]) and 0 < rounds[2] <= 50, rounds  # it speculated
     assert cut and cut >= 1, cut  # the last rounds drafted less, to stay inside the context

@@ -1,5 +1,6 @@
 """Scheduler hooks: rows that did not verify, preempted requests that keep their KV,
-drafting while a prefix is fetched, and VeriCache's numbers in ``/server_info``.
+drafting while a prefix is fetched, VeriCache's numbers in ``/server_info``, and room in
+the request-to-token rows for a speculative decode near the context's end.
 
 Touches ``SchedulerBatchResultProcessor._resolve_spec_v2_tokens``, ``Req.
 update_spec_correct_drafts_histogram`` / ``update_finish_state``, ``SchedulerOutputStreamer.
@@ -7,7 +8,8 @@ stream_output``, ``SchedulerMetricsReporter.update_spec_metrics``, ``GenerationB
 get_num_generated_tokens`` (a deferred row: no token, no verify), ``schedule_batch.release_req``
 (preemption), ``Scheduler._prefetch_kvcache`` and ``UnifiedRadixCache.check_prefetch_progress``
 (the poll of a request waiting for its storage prefetch), ``SchedulerInternalStateController.
-_add_speculative`` (``/server_info``).
+_add_speculative`` (``/server_info``), ``kv_cache_configurator.get_req_to_token_extra_context_len``
+(the rows' headroom).
 """
 
 from __future__ import annotations
@@ -15,6 +17,28 @@ from __future__ import annotations
 import time
 
 from sgl_vericache.sglang.runtime import Runtime, patch
+
+
+def install_context_end_headroom(runtime: Runtime) -> None:
+    """SGLang 0.5.23 gives a speculative decode 2 x ``speculative_num_draft_tokens`` KV slots
+    past a request's committed length (``get_alloc_reserve_per_decode``: a double buffer for
+    overlap scheduling's lag), but each request-to-token row only 4 + that many columns past
+    the model's context (``get_req_to_token_extra_context_len``, at page size 1 and one draft
+    branch: its own FIXME). A request still decoding within ``draft tokens - 4`` positions of
+    the context's end (committed past context + 4 - draft tokens) then writes past its row:
+    an IndexError on CPU, an out-of-bounds write on CUDA, and the scheduler is gone (NGRAM's
+    too). Found with seeded sampling at a 320-token context (test_context_limit.py): greedy
+    decoding's accepted lengths had stepped over the window. Rows get the reserve's width."""
+    from sglang.srt.mem_cache import allocation_sizing, kv_cache_configurator
+
+    def make(original):
+        def get_req_to_token_extra_context_len():
+            reserve = allocation_sizing.get_alloc_reserve_per_decode() + allocation_sizing.get_alloc_page_size() - 1
+            return max(original(), reserve)
+
+        return get_req_to_token_extra_context_len
+
+    patch(kv_cache_configurator, "get_req_to_token_extra_context_len", runtime, make)
 
 
 def install_deferred_rows(runtime: Runtime) -> None:
