@@ -172,8 +172,9 @@ def _drawable(probs: torch.Tensor) -> torch.Tensor:
     entries, or no mass: a target distribution that came out undefined) replaced by a
     one-hot on its largest finite entry (token 0 if none), so that one request's undefined
     distribution does not raise in ``torch.multinomial`` and take every request on the
-    server with it. Seen once under API fuzzing (an unseeded n=2 completion whose logit_bias
-    was inf in float32; request_checks refuses those now); logged."""
+    server with it. Seen under API fuzzing: a logit_bias that was inf in float32
+    (request_checks refuses those now), and a grammar no token can follow (the request
+    then ends with SGLang's own 500, "Grammar accept_token failed"); logged."""
     bad = ~(torch.isfinite(probs).all(-1) & (probs >= 0).all(-1) & (probs.sum(-1) > 0))
     if not bool(bad.any()):
         return probs
