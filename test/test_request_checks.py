@@ -253,6 +253,31 @@ def _raise_in(name: str, filename: str) -> Exception:
         return exc
 
 
+def test_a_grammar_that_admits_nothing_is_told_from_one_that_admits_something():
+    """containment.admits_nothing reads the grammar's own next-token bitmask (xgrammar's
+    layout: int32 words); anything it cannot read leaves SGLang's 500 alone."""
+    import torch
+
+    from sgl_vericache.sglang.containment import admits_nothing
+
+    class Grammar:
+        vocab_size = 100
+
+        def __init__(self, allowed):
+            self.allowed = allowed
+
+        def allocate_vocab_mask(self, vocab_size, batch_size, device):
+            return torch.zeros(batch_size, (vocab_size + 31) // 32, dtype=torch.int32)
+
+        def fill_vocab_mask(self, mask, idx):
+            for t in self.allowed:
+                mask[idx, t // 32] |= 1 << (t % 32)
+
+    assert admits_nothing(Grammar([]))
+    assert not admits_nothing(Grammar([0])) and not admits_nothing(Grammar([99]))
+    assert not admits_nothing(object())  # another backend: cannot tell
+
+
 def test_attributable():
     from sgl_vericache.sglang.containment import attributable
 

@@ -60,6 +60,7 @@ def register_all() -> Runtime:
         validation.install_http_checks,  # the same on native /generate bodies, before a stream starts
         validation.install_openai_checks,  # the same on OpenAI completions / chat, in OpenAI's field names
         containment.install_admission_containment,  # an arriving request's own error ends it alone (500)
+        containment.install_grammar_dead_ends,  # a grammar that admits no token: a 400, not SGLang's 500
     ]
     if vc.keep_preempted_kv:
         installs.append(scheduler.install_keep_preempted_kv)  # preempted requests keep their KV

@@ -16,12 +16,20 @@ detokenizer. A forward serves a whole batch, so its errors are no one request's;
 checks in ``validation`` keep the known per-request causes from getting that far.
 VeriCache's own per-request settings are contained where the round plans a request
 (``spec/round.py``: a bad override a 400, any other planning error a 500).
+
+Also touches ``SchedulerBatchResultProcessor._apply_prefill_grammar`` and
+``_accept_grammar_tokens``: SGLang ends a request whose sampled token its grammar refuses
+with a 500 ("Grammar accept_token failed", its FIXME for xgrammar faults). When the
+grammar admits no token at all at that point (a regex such as ``"\u0016"`` no token of the
+vocabulary spells: every score masked, token 0 drawn), the fault is the request's grammar:
+a 400 saying so. A refused token while the grammar admits some stays SGLang's 500.
 """
 
 from __future__ import annotations
 
 import logging
 import traceback
+from http import HTTPStatus
 
 from sgl_vericache.sglang.runtime import Runtime, patch
 
@@ -59,6 +67,57 @@ def install_admission_containment(runtime: Runtime) -> None:
         return handle_generate_request
 
     patch(Scheduler, "handle_generate_request", runtime, make)
+
+
+def admits_nothing(grammar) -> bool:
+    """Whether ``grammar`` (SGLang's grammar object, at its current state) allows no next
+    token; False when that cannot be told (another backend, an error)."""
+    try:
+        size = int(grammar.vocab_size)
+        mask = grammar.allocate_vocab_mask(size, 1, "cpu")
+        grammar.fill_vocab_mask(mask, 0)
+        return not bool(mask.any())
+    except Exception:  # a backend without these: leave SGLang's answer alone
+        return False
+
+
+GRAMMAR_FAILED = "Grammar accept_token failed"
+
+
+def install_grammar_dead_ends(runtime: Runtime) -> None:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+
+    def refused_by_grammar(req) -> None:
+        finish = req.to_finish
+        if not (isinstance(finish, FINISH_ABORT) and str(finish.message).startswith(GRAMMAR_FAILED)):
+            return
+        if req.grammar is None or not admits_nothing(req.grammar):
+            return
+        key = getattr(req.grammar, "key_string", None)
+        req.to_finish = FINISH_ABORT(
+            f"the request's grammar ({key!r}) admits no token of this model's vocabulary after "
+            f"{len(req.output_ids)} generated token(s); accepted: a regex / JSON schema / EBNF grammar that the "
+            "tokenizer's tokens can spell", HTTPStatus.BAD_REQUEST, "BadRequestError")
+
+    def make_prefill(original):
+        def _apply_prefill_grammar(self, *, req, **kwargs):
+            out = original(self, req=req, **kwargs)
+            refused_by_grammar(req)
+            return out
+
+        return _apply_prefill_grammar
+
+    def make_accept(original):
+        def _accept_grammar_tokens(self, req, tokens):
+            out = original(self, req, tokens)
+            refused_by_grammar(req)
+            return out
+
+        return _accept_grammar_tokens
+
+    patch(SchedulerBatchResultProcessor, "_apply_prefill_grammar", runtime, make_prefill)
+    patch(SchedulerBatchResultProcessor, "_accept_grammar_tokens", runtime, make_accept)
 
 
 def end_request(scheduler, recv_req, message: str) -> None:

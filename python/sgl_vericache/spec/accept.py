@@ -174,7 +174,7 @@ def _drawable(probs: torch.Tensor) -> torch.Tensor:
     distribution does not raise in ``torch.multinomial`` and take every request on the
     server with it. Seen under API fuzzing: a logit_bias that was inf in float32
     (request_checks refuses those now), and a grammar no token can follow (the request
-    then ends with SGLang's own 500, "Grammar accept_token failed"); logged."""
+    then ends with a 400: sglang/containment.py); logged."""
     bad = ~(torch.isfinite(probs).all(-1) & (probs >= 0).all(-1) & (probs.sum(-1) > 0))
     if not bool(bad.any()):
         return probs
