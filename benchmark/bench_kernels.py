@@ -56,6 +56,8 @@ from sgl_vericache.kernels import ops  # noqa: E402
 from sgl_vericache.kernels.packing import FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI, PackedKV, paged_pool  # noqa: E402
 from sgl_vericache.mem_cache.compress import get_compressor  # noqa: E402
 
+from gpu_timer import Timer  # noqa: E402 - beside this script
+
 SHAPES = {"llama3-8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}  # (H_q, H_kv, D)
 # the acceptance combos (32k x 8) first, so a tight time budget still measures them
 COMBOS = [(32768, 8), (131072, 8), (32768, 32), (8192, 8), (131072, 32), (8192, 32), (32768, 1),
@@ -173,52 +175,6 @@ def full_bytes(context: int, batch: int, kv_heads: int, head_dim: int) -> int:
 
 
 # ---------------------------------------------------------------- timing
-
-
-class Timer:
-    """Median GPU milliseconds of fn: captured once in a CUDA graph, L2 flushed before each
-    replay (so a 4 MB layer is read from HBM, as in a real step), events around the replay.
-    Off CUDA (the --smoke run): wall time of eager calls."""
-
-    def __init__(self, device: torch.device, reps: int, hbm_bytes_per_s: float):
-        self.device, self.reps, self.hbm = device, reps, hbm_bytes_per_s
-        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-
-    def __call__(self, fn) -> tuple[float, str]:
-        fn()
-        if self.flush is None:
-            t0 = time.perf_counter()
-            fn()
-            return 1e3 * (time.perf_counter() - t0), "eager, cpu"
-        torch.cuda.synchronize()
-        run, mode = fn, "eager"
-        if getattr(fn, "host_syncs", False):  # reads device values on the host: no graph can hold it
-            return self._replays(run), "eager (it syncs with the host)"
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            run, mode = graph.replay, "cuda graph"
-        except Exception as exc:  # noqa: BLE001 - time it eagerly instead, and say so
-            mode = f"eager ({type(exc).__name__}: {exc})"[:200]
-        return self._replays(run), mode
-
-    def _replays(self, run) -> float:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.reps)]
-        for start, end in events:
-            self.flush.zero_()
-            start.record()
-            run()
-            end.record()
-        torch.cuda.synchronize()
-        times = sorted(s.elapsed_time(e) for s, e in events)
-        return times[len(times) // 2]
 
 
 # ---------------------------------------------------------------- one combination
