@@ -353,7 +353,7 @@ class Speculator:
                     raise
         if drafts is None:  # nothing drafted: the roots stand in, verify decodes one token a row
             drafts, lens = np.repeat(np.asarray(roots, dtype=np.int64)[:, None], steps, axis=1), [0] * bs
-            self.sampled = None if batch.greedy else self.seam.sampled_round(batch.source, [], self.rng)
+            self._begin_sampling(batch, [])
         self.draft_seconds = time.perf_counter() - t0
         self.forward_seconds = self.draft_seconds - self.layout_seconds
         self.setup_seconds += self.layout_seconds
@@ -364,6 +364,12 @@ class Speculator:
         chain = np.tril(np.ones((width, width), dtype=bool))
         mask = np.broadcast_to(chain, (bs, width, width)).reshape(-1).copy()
         return RoundDrafts(tokens.reshape(-1), mask, width)
+
+    def _begin_sampling(self, batch: RoundBatch, rows: list[int]) -> None:
+        """The round's SampledRound for a batch that samples (``rows``: those that draft), even
+        a round with no drafts (the context's last position, or one out of memory): SGLang's
+        own verify acceptance, used without one, commits argmax on CPU."""
+        self.sampled = None if batch.greedy else self.seam.sampled_round(batch.source, rows, self.rng)
 
     def _out_of_memory(self, exc: BaseException) -> bool:
         """Drafting ran out of device memory: the compressed entries (and the prefix cache's)
@@ -494,10 +500,7 @@ class Speculator:
         for i, tokens in queued.items():
             drafts[i, :len(tokens)] = tokens
             drafts[i, len(tokens):] = tokens[-1]
-        # a batch that samples is accepted by its SampledRound, even a round with no drafts
-        # (the context's last position): SGLang's own verify acceptance commits argmax on CPU
-        self.sampled = None if batch.greedy else self.seam.sampled_round(batch.source, keep if steps else [],
-                                                                           self.rng)
+        self._begin_sampling(batch, keep if steps else [])
         if not keep or not steps:
             return drafts
         t0 = time.perf_counter()
