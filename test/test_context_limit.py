@@ -54,6 +54,13 @@ def _generate(model, prompts, spec):
         if spec:  # read once SGLang built the pool (the GPU kernels' warm-up needs it; nothing compiles on CPU)
             assert state["vericache_kernels"]["head_layout"].startswith(
                 "HeadLayout(num_q_heads=9, num_kv_heads=3, head_dim=64"), state.get("vericache_kernels")
+            # the KV budget was split before the pool was built (scheduler.install_draft_memory_reserve):
+            # streamingllm's entries and, on CPU's dense path, its buffers keep a quarter of the full KV each
+            memory = state["vericache_memory"]
+            assert memory["compressors"] == ["streamingllm"] and 0.25 <= memory["entry_fraction"] < 0.26, memory
+            assert memory["buffer_fraction"] == 0.25 and memory["prefix_cache_bytes"] == 512 << 20, memory
+            split = memory["pool_bytes"] * (1 + memory["entry_fraction"] + 0.25) + (512 << 20)
+            assert abs(split - memory["budget_bytes"]) < 1e-4 * memory["budget_bytes"], memory
         return [o["output_ids"] for o in outs], [o["meta_info"].get("spec_verify_ct", 0) for o in outs], cut
     finally:
         engine.shutdown()

@@ -108,6 +108,12 @@ class VeriCacheConfig:
         "kernel for blocks of up to draft_len + 1 tokens, while the server starts (seconds per compressor on a "
         "first start; Triton keeps them on disk for the next) instead of in the first requests' rounds. No "
         "effect where attention runs on torch (CPU).")
+    reserve_draft_memory: bool = _opt(
+        True, "Size SGLang's KV pool to leave room in its budget (--mem-fraction-static) for the compressed "
+        "entries of the requests it holds (the configured compressor's bytes at a 4096-token request), the dense "
+        "draft buffers where drafts do not run on the kernels, and the compressed prefix cache's budget; the split "
+        "is logged and in /server_info. Off = SGLang's own sizing: drafting that then runs out of device memory "
+        "decodes plainly for a while.")
     compressor_options: str = _opt(
         "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
     )

@@ -54,6 +54,7 @@ def register_all() -> Runtime:
         linear.install_weight_update_hook,  # rebuild weight copies after in-place updates
         scheduler.install_internal_state,  # /server_info
         scheduler.install_context_end_headroom,  # request-to-token rows wide enough for a decode's reserve
+        scheduler.install_draft_memory_reserve,  # the KV pool leaves room for compressed entries
         scheduler.install_deferred_rows,  # staggered verifies: rows without a token
         scheduler.install_fetch_drafting,  # drafting while a prefix streams in
         validation.install_tokenizer_checks,  # a bad request field is a 400 before the scheduler (any API)

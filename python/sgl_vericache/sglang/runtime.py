@@ -30,6 +30,7 @@ class Runtime:
         self.load_seconds = 0.0  # HiCache host -> device load time, running total
         self.preempted_requests = 0  # preempted requests whose KV stayed in the tree
         self.preempted_kept_tokens = 0  # tokens they newly put in the tree
+        self.draft_memory = None  # spec.memory_reserve.DraftMemoryPlan the KV pool was sized by
 
 
 def patch(owner, name: str, runtime: Runtime, make: Callable) -> Callable:

@@ -1,6 +1,7 @@
 """Scheduler hooks: rows that did not verify, preempted requests that keep their KV,
 drafting while a prefix is fetched, VeriCache's numbers in ``/server_info``, and room in
-the request-to-token rows for a speculative decode near the context's end.
+the request-to-token rows for a speculative decode near the context's end, and room in the
+KV budget for VeriCache's own memory.
 
 Touches ``SchedulerBatchResultProcessor._resolve_spec_v2_tokens``, ``Req.
 update_spec_correct_drafts_histogram`` / ``update_finish_state``, ``SchedulerOutputStreamer.
@@ -9,15 +10,17 @@ get_num_generated_tokens`` (a deferred row: no token, no verify), ``schedule_bat
 (preemption), ``Scheduler._prefetch_kvcache`` and ``UnifiedRadixCache.check_prefetch_progress``
 (the poll of a request waiting for its storage prefetch), ``SchedulerInternalStateController.
 _add_speculative`` (``/server_info``), ``kv_cache_configurator.get_req_to_token_extra_context_len``
-(the rows' headroom).
+(the rows' headroom), ``KVCacheConfigurator._profile_available_bytes`` (the pool's budget).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from sgl_vericache.sglang.runtime import Runtime, patch
 
+logger = logging.getLogger(__name__)
 
 def install_context_end_headroom(runtime: Runtime) -> None:
     """SGLang 0.5.23 gives a speculative decode 2 x ``speculative_num_draft_tokens`` KV slots
@@ -39,6 +42,34 @@ def install_context_end_headroom(runtime: Runtime) -> None:
         return get_req_to_token_extra_context_len
 
     patch(kv_cache_configurator, "get_req_to_token_extra_context_len", runtime, make)
+
+
+def install_draft_memory_reserve(runtime: Runtime) -> None:
+    """SGLang gives its KV pool the whole budget ``--mem-fraction-static`` leaves; with a
+    VeriCache worker in this process the pool gets what remains after VeriCache's compressed
+    entries, dense draft buffers and compressed prefix cache (``spec.memory_reserve``), so a
+    full pool does not run drafting out of device memory. The plan is kept on the runtime
+    (``/server_info``'s ``vericache_memory``) and logged. A target worker's budget only: the
+    worker is built before the pool (``Scheduler.init_model_worker``) and found by its model."""
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+    def make(original):
+        def _profile_available_bytes(self, pre_model_load_memory):
+            budget = original(self, pre_model_load_memory)
+            rt = _profile_available_bytes.runtime
+            worker = next((w for w in list(rt.workers) if w.model_runner.model is self.model), None)
+            if worker is None or not worker.vc.reserve_draft_memory or self.is_draft_worker or self.use_mla_backend:
+                return budget
+            plan = worker.speculator.plan_memory(budget, self.kv_cache_dtype)
+            if plan is None:
+                return budget
+            rt.draft_memory = plan
+            logger.info("VeriCache: %s", plan.describe())
+            return plan.pool_bytes
+
+        return _profile_available_bytes
+
+    patch(KVCacheConfigurator, "_profile_available_bytes", runtime, make)
 
 
 def install_deferred_rows(runtime: Runtime) -> None:
@@ -215,6 +246,7 @@ def install_internal_state(runtime: Runtime) -> None:
     worker's counters and gauges (the same numbers ``/metrics`` has with --enable-metrics);
     ``["vericache_kernels"]``: the head layout the GPU kernels were warmed for and what
     their start-up warm-up did;
+    ``["vericache_memory"]``: how the KV budget was split (install_draft_memory_reserve);
     ``["vericache_preempted"]``: preempted requests whose KV stayed in the tree, and the
     tokens it newly kept (any engine)."""
     from sglang.srt.managers.scheduler_components.internal_state import SchedulerInternalStateController
@@ -230,6 +262,8 @@ def install_internal_state(runtime: Runtime) -> None:
                 speculator.stats.gauge("captured_query_requests", len(speculator.queries))
                 state["vericache"] = speculator.stats.snapshot()
                 state["vericache_kernels"] = dict(speculator.kernels)
+            if rt.draft_memory is not None:
+                state["vericache_memory"] = rt.draft_memory.as_dict()
             # every engine, speculation on or off (see install_keep_preempted_kv)
             state["vericache_preempted"] = {"requests": rt.preempted_requests, "kept_tokens": rt.preempted_kept_tokens}
 

@@ -116,10 +116,11 @@ class WorkerSeam:
                 cfg.get_total_num_kv_heads() if hasattr(cfg, "get_total_num_kv_heads") else None,
                 getattr(cfg, "head_dim", None))
 
-    def head_layout(self):
+    def head_layout(self, kv_dtype=None):
         """This worker's attention heads and dtypes, as the draft kernels see them (their
         start-up warm-up, ``spec.warm_up``): from the model's first RadixAttention layer
-        (its heads and logit soft cap) and the full KV pool; None for a model without one."""
+        (its heads and logit soft cap) and the full KV pool (``kv_dtype``: the pool's dtype
+        before the pool exists); None for a model without one."""
         from sglang.srt.layers.radix_attention import RadixAttention
 
         from sgl_vericache.sglang.attention import logit_cap
@@ -128,8 +129,9 @@ class WorkerSeam:
         layer = next((m for m in self.model_runner.model.modules() if isinstance(m, RadixAttention)), None)
         if layer is None:
             return None
-        keys = self.model_runner.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        return HeadLayout(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, keys.dtype,
+        if kv_dtype is None:
+            kv_dtype = self.model_runner.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype
+        return HeadLayout(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, kv_dtype,
                           self.model_runner.model_config.dtype, logit_cap(layer) or 0.0)
 
     def full_kv_bytes_per_token(self) -> int:

@@ -170,6 +170,22 @@ class Speculator:
         self.setup_seconds = self.forward_seconds = 0.0
         self.paused = 0  # plain iterations left after drafting ran out of device memory
 
+    def plan_memory(self, budget_bytes: int, kv_dtype: torch.dtype):
+        """How SGLang's KV budget is split between its pool and this worker's compressed
+        entries, dense draft buffers and prefix cache (``spec.memory_reserve``); None for a
+        model without an attention layer. Called once, before the pool exists."""
+        from sgl_vericache.kernels import draft_attention_available
+        from sgl_vericache.spec.memory_reserve import plan_draft_memory
+
+        layout = self.seam.head_layout(kv_dtype)
+        if layout is None:
+            return None
+        dim = layout.head_dim
+        kernels = draft_attention_available(self.seam.device) and dim >= 16 and dim & (dim - 1) == 0
+        prefix_bytes = 0 if self.prefix_cache is None else self.prefix_cache.budget_bytes
+        return plan_draft_memory(budget_bytes, self.planner.configured_compressors(), layout.num_kv_heads, dim,
+                                 kv_dtype, prefix_bytes, dense_buffers=not kernels)
+
     def warm_up_kernels(self, compile_now: bool = True) -> None:
         """Read the model's head layout and compile the draft kernels for the configured
         compressors and the verify kernel for blocks up to draft_len + 1 tokens now
