@@ -46,6 +46,7 @@ class _Passes:
 
 class _Seam:
     device, num_layers, context_len = "cpu", LAYERS, 4096
+    windows = {}  # no sliding-window layers
 
     def __init__(self, tp_size=1):
         self.tp_size = tp_size

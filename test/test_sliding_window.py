@@ -6,6 +6,11 @@ The model is a tiny random-weight Gemma 3 text model (2 layers: one sliding-wind
 test's temporary directory. Its prompts are 70 and 79 tokens, so every verify round sees
 positions its window has left. Before verify attention followed windows, the first rounds
 already diverged (token 1 of both requests: checked by hand with the window ignored).
+
+The second request drafts with the ``full`` compressor, so its drafts differ from the
+target's tokens only where draft attention differs from the target's: window layers draft
+over the pool's last window tokens (spec/window_draft.py), and it needs the 5 rounds of a
+perfect draft (30 when the window layer drafted over the whole context).
 """
 
 from __future__ import annotations
@@ -48,8 +53,11 @@ def _generate(model_dir, spec: bool):
     engine = cpu_engine(model_dir, VeriCacheConfig(compressor="streamingllm", draft_len=8, adaptive=False)
                         if spec else None)
     try:
-        outs = engine.generate(input_ids=_prompts(),
-                               sampling_params={"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True})
+        params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+        # the second request drafts over every token (the `full` compressor): only the window
+        # layer's draft attention can make its drafts differ from the target's own tokens
+        full = {**params, "custom_params": {"vericache_compressor": "full"}} if spec else params
+        outs = engine.generate(input_ids=_prompts(), sampling_params=[params, full])
         state = engine.get_server_info()["internal_states"][0]
         return [o["output_ids"] for o in outs], [o["meta_info"].get("spec_verify_ct", 0) for o in outs], state
     finally:
@@ -74,4 +82,8 @@ def test_greedy_ids_equal_speculation_off_past_the_window(default_model_path, tm
     assert len(set(ref[0])) > 3, ref  # not one repeated token
     assert ours == ref, [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(ours, ref)]
     assert all(0 < r < NEW for r in rounds), rounds  # it speculated
+    # drafts over the full KV with the target's window are the target's tokens: 40 tokens in 5
+    # rounds of 8 drafts + 1 (rounding aside). Drafting the window layer over the whole context
+    # (before spec/window_draft.py) took 30 rounds
+    assert rounds[1] <= 7, rounds
     assert state["vericache_kernels"]["head_layout"].startswith("HeadLayout(num_q_heads=4, num_kv_heads=2, head_dim=16")

@@ -61,7 +61,7 @@ class _Seam:
     """The round's seam where every other rank measured other times: ``agree`` answers the
     first rank's."""
 
-    num_layers, device = 2, "cpu"
+    num_layers, device, windows = 2, "cpu", {}
 
     def __init__(self, first_rank):
         self.first_rank, self.asked = first_rank, []

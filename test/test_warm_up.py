@@ -25,6 +25,7 @@ LAYOUT = HeadLayout(6, 2, 64, torch.float32, torch.float32)
 class _Seam:
     def __init__(self, device="cpu", layout=LAYOUT, error=None):
         self.num_layers, self.device, self.layout, self.error = 2, device, layout, error
+        self.windows = {}  # no sliding-window layers
         self.layout_calls = 0
 
     def abort(self, req, message, status=400):

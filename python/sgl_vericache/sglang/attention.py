@@ -199,6 +199,14 @@ def kernel_batch(backend, forward_batch, n, device):
     return live, mask, longest
 
 
+def sliding_windows(model) -> dict:
+    """Layer id -> window of each sliding-window attention layer of ``model`` (none: {})."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    found = ((m.layer_id, sliding_window(m)) for m in model.modules() if isinstance(m, RadixAttention))
+    return {layer_id: window for layer_id, window in found if window is not None}
+
+
 def sliding_window(layer):
     """The layer's sliding window as SGLang's decode applies it (a query at position p sees
     positions p - window .. p), or None for full attention."""

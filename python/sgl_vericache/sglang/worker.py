@@ -67,6 +67,7 @@ class WorkerSeam:
         self.num_layers = self.model_runner.model_config.num_hidden_layers
         self.context_len = self.model_runner.model_config.context_len  # positions verify may reach
         self.passes = forward.DraftPasses(self.model_runner, runtime, draft_weights)
+        self.windows = attention.sliding_windows(self.model_runner.model)  # layer id -> window, window layers only
         from sglang.srt.distributed.parallel_state import get_tp_group
 
         self.tp_group = get_tp_group()
@@ -92,6 +93,15 @@ class WorkerSeam:
             return pool.get_key_buffer(layer_id)[slots], pool.get_value_buffer(layer_id)[slots]
 
         return read_kv
+
+    def slots(self, pool_row: int, start: int, end: int) -> torch.Tensor:
+        """KV pool slots of positions ``start .. end - 1`` of one request-to-token row."""
+        return self.model_runner.req_to_token_pool.req_to_token[pool_row, start:end]
+
+    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full KV pool's keys and values of one layer, [slots, H_kv, D] each."""
+        pool = self.model_runner.token_to_kv_pool
+        return pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
 
     def abort(self, req, message: str, status: int = 400) -> None:
         """End ``req`` with ``status`` (400: a bad request) and ``message``; the rest of the

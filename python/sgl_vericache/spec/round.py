@@ -45,6 +45,7 @@ from sgl_vericache.spec.drafter import CompressedKVStore
 from sgl_vericache.spec.fetch_drafting import FetchDrafter
 from sgl_vericache.spec.plan import Plan, Planner
 from sgl_vericache.spec.stats import Stats
+from sgl_vericache.spec.window_draft import WindowedDraft
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,11 @@ class Speculator:
         # first round of a request compresses its whole prompt), and of its draft forwards alone
         self.setup_seconds = self.forward_seconds = 0.0
         self.paused = 0  # plain iterations left after drafting ran out of device memory
+        # sliding-window layers draft over the full KV pool's last window tokens (spec/window_draft.py),
+        # unless full KV may be parked in host memory
+        self.windowed = None
+        if seam.windows and vc.full_device_budget < 0:
+            self.windowed = WindowedDraft(self.store, seam.windows, seam.kv_buffers)
 
     def plan_memory(self, budget_bytes: int, kv_dtype: torch.dtype):
         """How SGLang's KV budget is split between its pool and this worker's compressed
@@ -528,14 +534,25 @@ class Speculator:
         tokens = torch.tensor([roots[i] for i in keep], dtype=torch.int64, device=device)
         positions = torch.tensor([batch.verified[i] for i in keep], dtype=torch.int64, device=device)
         out = torch.empty((len(keep), steps), dtype=torch.int64)
-        with passes.run(draft_batch, self.store) as forward:
-            for step in range(steps):
-                logits = forward(tokens, positions + step)  # [rows, V]
-                if self.sampled is None:
-                    tokens = torch.argmax(logits, dim=-1)
-                else:
-                    tokens = self.seam.agree_tokens(self.sampled.draw(logits, positions + step).contiguous())
-                out[:, step] = tokens.cpu()
+        source = self.store
+        if self.windowed is not None:
+            widest = max(self.windowed.windows.values())
+            verified = [batch.verified[i] for i in keep]
+            self.windowed.begin_round([self.seam.slots(batch.pool_rows[i], max(0, n - widest), n)
+                                       for i, n in zip(keep, verified)], verified, steps)
+            source = self.windowed
+        try:
+            with passes.run(draft_batch, source) as forward:
+                for step in range(steps):
+                    logits = forward(tokens, positions + step)  # [rows, V]
+                    if self.sampled is None:
+                        tokens = torch.argmax(logits, dim=-1)
+                    else:
+                        tokens = self.seam.agree_tokens(self.sampled.draw(logits, positions + step).contiguous())
+                    out[:, step] = tokens.cpu()
+        finally:
+            if self.windowed is not None:
+                self.windowed.end_round()
         drafts[keep] = out.numpy()
         return drafts
 
