@@ -39,7 +39,8 @@ from sgl_vericache.kernels.packing import pack, paged_pool  # noqa: E402
 from sgl_vericache.mem_cache.compress import causal_attention, get_compressor  # noqa: E402
 
 from kernel_fixtures import KIVI, SMALL, TOL, Case, Shape, _close, _gen, _kv  # noqa: E402,F401
-from kernel_store_checks import check_store_rounds, check_warm_up  # noqa: E402
+from kernel_store_checks import (check_store_rounds, check_warm_up, check_window_rounds,  # noqa: E402
+                                 check_window_warm_up)
 from kernel_verify_checks import verify_cases  # noqa: E402
 
 def _entries(method, options, shape: Shape, device, seed=0):
@@ -477,6 +478,12 @@ def all_cases() -> list[Case]:
                     ("kivi4",), ("int8", "kivi4", "int8"), ("quest", "snapkv", "quest")):
         cases.append(Case(f"store rounds {'+'.join(methods)}", lambda dev, m=methods: check_store_rounds(m, dev),
                           family="store", tags=methods))
+    for dtype, group, dim in ((torch.float32, 3, 64), (torch.bfloat16, 1, 128)):
+        cases.append(Case(f"sliding-window layers over the pool {str(dtype)[6:]} group {group} d{dim}",
+                          lambda dev, a=(dtype, group, dim): check_window_rounds(dev, *a), family="store",
+                          tags=("window",)))
+    cases.append(Case("warm-up compiles what rounds launch: sliding-window layers", check_window_warm_up,
+                      family="store", tags=("window", "warm")))
     cases.append(Case("store rounds kivi4+snapkv bf16", lambda dev: check_store_rounds(
         ("kivi4", "snapkv"), dev, torch.bfloat16), family="store", tags=("kivi4", "snapkv")))
     for methods in (("kivi4", "streamingllm"), ("quest", "snapkv", "h2o"), ("int8", "fp8", "kivi2", "full")):

@@ -185,3 +185,70 @@ def check_warm_up(methods: tuple[str, ...], device) -> float:
         f"{name} {key[:300]}" for name, key in sorted(missing))
     assert _compiled_count(device) == compiled, (compiled, _compiled_count(device))
     return 0.0
+
+
+def check_window_rounds(device, dtype=torch.float32, group=3, head_dim=64) -> float:
+    """Sliding-window layers' drafts over the pool (spec/window_draft.py) on the decode kernel,
+    reading the pool in place, against the same on torch: rows shorter than, past and at the
+    window, one with no verified KV, scattered slots, two windows, every step of two rounds
+    (a window reached inside the drafts falls back to torch, as it does on CUDA)."""
+    from sgl_vericache.spec.window_draft import WindowedDraft
+
+    shape = Shape((0,), kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+    k_pool, v_pool = (t.to(device) for t in _kv(260, shape, 71))
+    perm = torch.randperm(260, generator=_gen(72)).to(device)
+    windows = {0: 5, 1: 40}
+    drafts = [WindowedDraft(None, windows, lambda layer: (k_pool, v_pool), kernels=flag) for flag in (False, True)]
+    err, steps = 0.0, 7
+    for rnd, verified in enumerate(([3, 57, 40, 0], [11, 90, 44, 6])):
+        rows, at = [], 0
+        for n in verified:
+            rows.append(perm[at:at + n])
+            at += n
+        g = _gen(73 + rnd)
+        extra = [torch.randn(len(verified), 2, 2, head_dim, generator=g).to(dtype).to(device) for _ in range(steps)]
+        queries = [torch.randn(len(verified), 2 * group, head_dim, generator=g).to(dtype).to(device)
+                   for _ in range(steps)]
+        for d in drafts:
+            d.begin_round([r[max(0, n - 40):] for r, n in zip(rows, verified)], verified, steps)
+        for step in range(steps):
+            for layer in windows:
+                outs = [d.attend(layer, queries[step], extra[step][:, 0], extra[step][:, 1], head_dim ** -0.5)
+                        for d in drafts]
+                err = max(err, _close(outs[1], outs[0], dtype, f"window {windows[layer]} round {rnd} step {step}"))
+        for d in drafts:
+            d.end_round()
+    return err
+
+
+def check_window_warm_up(device) -> float:
+    """spec.warm_up with sliding-window layers compiles what their rounds launch on the
+    decode kernel: rounds of other lengths, batches, windows and steps launch no kernel
+    whose Triton cache key the warm-up did not."""
+    from sgl_vericache.spec.warm_up import HeadLayout, warm_up
+    from sgl_vericache.spec.window_draft import WindowedDraft
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    layout = HeadLayout(6, 2, 64, dtype, dtype)
+    with LaunchKeys() as warm:
+        assert warm_up([], layout, device, draft_kernels=True, lengths=(120, 70), windows=True) is not None
+    compiled = _compiled_count(device)
+    shape = Shape((0,), kv_heads=2, group=3, dtype=dtype)
+    k_pool, v_pool = (t.to(device) for t in _kv(400, shape, 81))
+    draft = WindowedDraft(None, {0: 16, 1: 100}, lambda layer: (k_pool, v_pool), kernels=True)
+    g = _gen(82)
+    with LaunchKeys() as real:
+        for verified, steps in (([300], 3), ([50, 9, 0, 130], 5), ([7, 200], 2)):
+            slots = torch.randperm(400, generator=g)[: sum(verified)].to(device).split(verified)
+            draft.begin_round(list(slots), verified, steps)
+            for _ in range(steps):
+                q = torch.randn(len(verified), 6, 64, generator=g).to(dtype).to(device)
+                kn, vn = (torch.randn(len(verified), 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
+                for layer in (0, 1):
+                    draft.attend(layer, q, kn, vn, 0.125)
+            draft.end_round()
+    missing = real.keys - warm.keys
+    assert real.keys and not missing, f"{len(missing)} launch variants the warm-up did not compile: " + "; ".join(
+        f"{name} {key[:300]}" for name, key in sorted(missing))
+    assert _compiled_count(device) == compiled, (compiled, _compiled_count(device))
+    return 0.0

@@ -31,6 +31,9 @@ class _Seam:
     def abort(self, req, message, status=400):
         raise AssertionError(message)
 
+    def kv_buffers(self, layer_id):  # no pool: no round runs here
+        raise AssertionError(f"layer {layer_id}'s pool read outside a round")
+
     def head_layout(self):
         self.layout_calls += 1
         if self.error is not None:
@@ -92,27 +95,31 @@ def test_without_warm_up_the_kernels_compile_at_first_use(monkeypatch):
                             "verify": "compiled at first use (not asked to)"}
 
 
-@pytest.mark.parametrize("compressor", ["auto", "kivi2"])
-def test_the_worker_warms_its_configured_compressors_with_its_layout(monkeypatch, caplog, compressor):
+@pytest.mark.parametrize("compressor, windows", [("auto", {}), ("kivi2", {}), ("kivi2", {1: 8})])
+def test_the_worker_warms_its_configured_compressors_with_its_layout(monkeypatch, caplog, compressor, windows):
     """The wiring around warm_up (which kernel_checks' warm-up cases run on the kernels, for
     every compressor): the planner's own compressor instances, the seam's layout and device,
-    and a line saying when they are ready."""
+    sliding-window layers' drafts when the model has such layers, and a line saying when
+    they are ready."""
     calls = []
 
-    def fake_warm_up(compressors, layout, device):
-        calls.append((compressors, layout, device))
+    def fake_warm_up(compressors, layout, device, windows=False):
+        calls.append((compressors, layout, device, windows))
         return 1.5
 
     monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: True)
     monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: False)
     monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_up", fake_warm_up)
-    spec = _speculator(_Seam(device="cuda"), compressor=compressor)
+    seam = _Seam(device="cuda")
+    seam.windows = windows
+    spec = _speculator(seam, compressor=compressor)
     with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.round"):
         spec.warm_up_kernels()
-    ((compressors, layout, device),) = calls
+    ((compressors, layout, device, warm_windows),) = calls
     assert [a is b for a, b in zip(compressors, spec.planner.configured_compressors())] == [True] * len(compressors)
-    assert layout == LAYOUT and device == "cuda"
+    assert layout == LAYOUT and device == "cuda" and warm_windows == bool(windows)
     names = ", ".join(AUTO_CANDIDATES) if compressor == "auto" else compressor
+    names += " and sliding-window layers" if windows else ""
     assert f"draft kernels for {names} ready in 1.5 s" in caplog.text, caplog.text
 
 

@@ -211,7 +211,8 @@ class Speculator:
             "off: deterministic mode verifies on torch" if verify_kernel_available(device)
             else "off: verify attention runs on torch here")
         compressors = self.planner.configured_compressors()
-        what_drafts = "the draft kernels for " + ", ".join(c.name for c in compressors)
+        what_drafts = "the draft kernels for " + ", ".join(c.name for c in compressors) + (
+            " and sliding-window layers" if self.windowed is not None else "")
         what_verify = f"the verify kernel for blocks of up to {self.vc.draft_len + 1} tokens"
         try:
             layout = self.seam.head_layout()
@@ -229,7 +230,8 @@ class Speculator:
             return
         if drafts:
             self.kernels["draft"] = self._warm(what_drafts, layout,
-                                               lambda: warm_up.warm_up(compressors, layout, device))
+                                               lambda: warm_up.warm_up(compressors, layout, device,
+                                                                       windows=self.windowed is not None))
         if verifies:
             self.kernels["verify"] = self._warm(what_verify, layout,
                                                 lambda: warm_up.warm_verify(layout, self.vc.draft_len + 1, device))

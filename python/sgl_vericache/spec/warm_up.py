@@ -53,10 +53,12 @@ class HeadLayout:
 
 
 def warm_up(compressors: Sequence[KVCompressor], layout: HeadLayout, device: torch.device,
-            draft_kernels: Optional[bool] = None, lengths: tuple[int, int] = LENGTHS) -> Optional[float]:
+            draft_kernels: Optional[bool] = None, lengths: tuple[int, int] = LENGTHS,
+            windows: bool = False) -> Optional[float]:
     """Run throwaway draft rounds per compressor (a lone request, two read together, and for
     compressors that do not choose keys per step a teacher-forced one) over two synthetic
-    requests of ``lengths`` tokens, and the split merge at every split count; seconds taken,
+    requests of ``lengths`` tokens, with ``windows`` one of sliding-window layers over a
+    pool (spec/window_draft.py), and the split merge at every split count; seconds taken,
     or None when this device drafts on the dense torch path (``draft_kernels`` as
     CompressedKVStore takes it: None = the kernels on CUDA)."""
     device = torch.device(device)
@@ -72,6 +74,8 @@ def warm_up(compressors: Sequence[KVCompressor], layout: HeadLayout, device: tor
     gen = torch.Generator(device="cpu").manual_seed(0)
     for comp in compressors:
         _warm_compressor(comp, layout, device, gen, draft_kernels, lengths)
+    if windows:
+        _warm_window(layout, device, gen, lengths)
     ops.warm_merges(layout.num_q_heads, layout.head_dim, layout.q_dtype, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -108,6 +112,24 @@ def _warm_compressor(comp: KVCompressor, layout: HeadLayout, device, gen, draft_
             store.attend_tokens(0, q, k_new, v_new, scale)
     finally:
         store.clear()
+
+
+def _warm_window(layout: HeadLayout, device, gen, lengths) -> None:
+    """A round of sliding-window layers' drafts over a pool in place (the decode kernel's
+    paged variant), requests of ``lengths`` tokens, a window shorter than both."""
+    from sgl_vericache.spec.window_draft import WindowedDraft
+
+    slots = sum(lengths)
+    pool = [_randn(gen, (slots, layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device) for _ in range(2)]
+    rows = torch.arange(slots, dtype=torch.int32, device=device).split(list(lengths))
+    draft = WindowedDraft(None, {0: min(lengths) // 2}, lambda _: pool, kernels=True)
+    draft.begin_round(list(rows), list(lengths), 2)
+    for _ in range(2):
+        q = _randn(gen, (len(lengths), layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
+        k_new, v_new = (_randn(gen, (len(lengths), layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device)
+                        for _ in range(2))
+        draft.attend(0, q, k_new, v_new, layout.head_dim ** -0.5)
+    draft.end_round()
 
 
 def warm_verify(layout: HeadLayout, tokens: int, device: torch.device) -> float:

@@ -32,21 +32,34 @@ KVBuffers = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 class WindowedDraft:
-    def __init__(self, store, windows: Mapping[int, int], kv_buffers: KVBuffers):
+    def __init__(self, store, windows: Mapping[int, int], kv_buffers: KVBuffers, kernels: Optional[bool] = None):
         """``windows``: layer id -> its window (a query at p sees p - window .. p), for the
-        model's sliding-window layers only."""
+        model's sliding-window layers only. ``kernels``: None runs the attention on the draft
+        decode kernel (``sgl_vericache.kernels``: reading the pool in place, no gather) where
+        the pool is on a device it serves (CUDA), True always (tests, under Triton's
+        interpreter), False never."""
         if not windows or any(w < 0 for w in windows.values()):
             raise ValueError(f"sliding windows {dict(windows)!r}: accepted: at least one layer, windows >= 0")
         self.store = store
         self.windows = dict(windows)
         self.kv_buffers = kv_buffers
+        self.kernels = kernels
         self._round: Optional[_WindowRound] = None
 
     def begin_round(self, slots: Sequence[torch.Tensor], verified: Sequence[int], steps: int) -> None:
         """The round's rows (the store's round order): each row's slots of its verified
         tokens (at least the last max-window of them; ``slots[b][-n:]`` are positions
         ``verified[b] - n ..``) and its verified length; ``steps`` draft steps."""
-        self._round = _WindowRound(slots, verified, steps, max(self.windows.values()))
+        self._round = _WindowRound(slots, verified, steps, max(self.windows.values()), self._on_kernels(slots))
+
+    def _on_kernels(self, slots: Sequence[torch.Tensor]) -> bool:
+        if self.kernels is not None or not slots:
+            return bool(self.kernels)
+        if slots[0].device.type != "cuda":
+            return False
+        from sgl_vericache.kernels import draft_attention_available
+
+        return draft_attention_available(slots[0].device)
 
     def end_round(self) -> None:
         self._round = None
@@ -64,7 +77,8 @@ class _WindowRound:
     ``window`` pool tokens are gathered beside the round's provisional KV and masked to what
     the step's query sees."""
 
-    def __init__(self, slots: Sequence[torch.Tensor], verified: Sequence[int], steps: int, widest: int):
+    def __init__(self, slots: Sequence[torch.Tensor], verified: Sequence[int], steps: int, widest: int,
+                 kernels: bool = False):
         if len(slots) != len(verified):
             raise ValueError(f"{len(slots)} rows of slots for {len(verified)} verified lengths")
         self.steps = steps
@@ -82,6 +96,9 @@ class _WindowRound:
             if have:
                 self.index[b, widest - have:] = row[row.shape[0] - have:]
         self.lens = lens
+        self.verified = [int(n) for n in verified]
+        self.kernels = kernels
+        self._tables: dict[tuple[int, int], tuple] = {}  # (window, step) -> the kernel's pool indices, lens, rows
         self.step: dict[int, int] = {}
         self.k_extra: dict[int, torch.Tensor] = {}  # layer -> [B, steps, H_kv, D] provisional KV
         self.v_extra: dict[int, torch.Tensor] = {}
@@ -96,6 +113,8 @@ class _WindowRound:
             self.v_extra[layer_id] = v_new.new_empty((self.rows, self.steps, *v_new.shape[1:]))
         self.k_extra[layer_id][:, step] = k_new
         self.v_extra[layer_id][:, step] = v_new
+        if self.kernels and step <= window and k_new.shape[-1] >= 16 and k_new.shape[-1] & (k_new.shape[-1] - 1) == 0:
+            return self._kernel_attend(layer_id, window, pools, q, scale, step)
         # the query at verified + step sees positions verified + step - window .. on
         first = max(0, self.index.shape[1] - max(window - step, 0))  # older columns no row sees
         k_pool, v_pool = pools
@@ -110,3 +129,24 @@ class _WindowRound:
             q.float()[:, :, None, :], k.float().transpose(1, 2), v.float().transpose(1, 2),
             attn_mask=visible.to(q.device)[:, None, None, :], scale=scale, enable_gqa=True)  # [B, H_q, 1, D]
         return out[:, :, 0].to(q.dtype)
+
+    def _kernel_attend(self, layer_id, window, pools, q, scale, step):
+        """The same attention on the draft decode kernel, reading the pool in place through
+        each row's visible slots (every provisional token is visible: ``step <= window``)."""
+        from sgl_vericache.kernels import ops
+        from sgl_vericache.kernels.packing import paged_pool
+
+        k_pool, v_pool = pools
+        table = self._tables.get((window, step))
+        if table is None:
+            counts = [max(0, min(n, window - step)) for n in self.verified]  # positions n - c .. n - 1
+            oldest = (self.lens + step - window)[:, None]
+            visible = (self.positions >= 0) & (self.positions >= oldest)
+            indices = self.index[visible].to(torch.int32)  # row by row, ascending
+            if not indices.numel():
+                indices = torch.zeros(1, dtype=torch.int32, device=self.index.device)  # a kernel argument needs storage
+            table = self._tables[(window, step)] = (indices, counts,
+                                                    paged_pool(k_pool, v_pool, indices, counts).rows())
+        indices, counts, rows = table
+        return ops.decode_attention(paged_pool(k_pool, v_pool, indices, counts), q, scale, rows,
+                                    self.k_extra[layer_id], self.v_extra[layer_id], ext_add=step + 1)
