@@ -56,6 +56,7 @@ def _generate(model, prompts, spec):
                 "HeadLayout(num_q_heads=9, num_kv_heads=3, head_dim=64"), state.get("vericache_kernels")
             # the KV budget was split before the pool was built (scheduler.install_draft_memory_reserve):
             # streamingllm's entries and, on CPU's dense path, its buffers keep a quarter of the full KV each
+            assert state["vericache_windows"] == {"layers": 0, "windows": [], "drafts": "none"}, state
             memory = state["vericache_memory"]
             assert memory["compressors"] == ["streamingllm"] and 0.25 <= memory["entry_fraction"] < 0.26, memory
             assert memory["buffer_fraction"] == 0.25 and memory["prefix_cache_bytes"] == 512 << 20, memory

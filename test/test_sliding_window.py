@@ -87,3 +87,6 @@ def test_greedy_ids_equal_speculation_off_past_the_window(default_model_path, tm
     # (before spec/window_draft.py) took 30 rounds
     assert rounds[1] <= 7, rounds
     assert state["vericache_kernels"]["head_layout"].startswith("HeadLayout(num_q_heads=4, num_kv_heads=2, head_dim=16")
+    windows = state["vericache_windows"]
+    assert windows["layers"] == 1 and windows["drafts"] == "over the full KV pool", windows
+    assert len(windows["windows"]) == 1 and WINDOW - 1 <= windows["windows"][0] <= WINDOW, windows

@@ -246,6 +246,7 @@ def install_internal_state(runtime: Runtime) -> None:
     worker's counters and gauges (the same numbers ``/metrics`` has with --enable-metrics);
     ``["vericache_kernels"]``: the head layout the GPU kernels were warmed for and what
     their start-up warm-up did;
+    ``["vericache_windows"]``: the model's sliding-window layers and how they draft;
     ``["vericache_memory"]``: how the KV budget was split (install_draft_memory_reserve);
     ``["vericache_preempted"]``: preempted requests whose KV stayed in the tree, and the
     tokens it newly kept (any engine)."""
@@ -262,6 +263,7 @@ def install_internal_state(runtime: Runtime) -> None:
                 speculator.stats.gauge("captured_query_requests", len(speculator.queries))
                 state["vericache"] = speculator.stats.snapshot()
                 state["vericache_kernels"] = dict(speculator.kernels)
+                state["vericache_windows"] = dict(speculator.window_layers)
             if rt.draft_memory is not None:
                 state["vericache_memory"] = rt.draft_memory.as_dict()
             # every engine, speculation on or off (see install_keep_preempted_kv)
