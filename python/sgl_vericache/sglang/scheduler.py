@@ -22,6 +22,7 @@ from sgl_vericache.sglang.runtime import Runtime, patch
 
 logger = logging.getLogger(__name__)
 
+
 def install_context_end_headroom(runtime: Runtime) -> None:
     """SGLang 0.5.23 gives a speculative decode 2 x ``speculative_num_draft_tokens`` KV slots
     past a request's committed length (``get_alloc_reserve_per_decode``: a double buffer for

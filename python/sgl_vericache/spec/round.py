@@ -176,10 +176,10 @@ class Speculator:
         if seam.windows and vc.full_device_budget < 0:
             self.windowed = WindowedDraft(self.store, seam.windows, seam.kv_buffers)
         # /server_info's vericache_windows: how this model's sliding-window layers draft
+        drafts = "over the full KV pool" if self.windowed is not None else (
+            "over compressed entries: full KV may be parked in host memory (--vericache-full-device-budget)")
         self.window_layers = {"layers": len(seam.windows), "windows": sorted(set(seam.windows.values())),
-                              "drafts": "none" if not seam.windows else "over the full KV pool"
-                              if self.windowed is not None else "over compressed entries: full KV may be parked "
-                              "in host memory (--vericache-full-device-budget)"}
+                              "drafts": drafts if seam.windows else "none"}
 
     def plan_memory(self, budget_bytes: int, kv_dtype: torch.dtype):
         """How SGLang's KV budget is split between its pool and this worker's compressed
