@@ -2,6 +2,7 @@
 the full paged pool where it lies (verify).
 
     draft_attention_available(device)   may the drafter use the kernels on this device?
+    draft_head_dim(head_dim)             do the draft kernels read heads of this size?
     ops.decode_attention(packed, q, ...) one launch: a batch of rows over packed entries
     verify_kernel_available(device)      may verify attention use its kernel on this device?
     verify.verify_attention(q, ...)      one launch: a round's verify block over the full paged pool
@@ -33,6 +34,11 @@ def draft_attention_available(device: torch.device | str) -> bool:
     Triton importable, unless SGL_VERICACHE_DRAFT_KERNELS=0. On CPU always False (the CPU
     path stays the torch one; tests reach the kernels there through Triton's interpreter)."""
     return _kernels_on(device, DISABLE_ENV)
+
+
+def draft_head_dim(head_dim: int) -> bool:
+    """The draft decode kernels read heads of this size: a power of two from 16 up."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def verify_kernel_available(device: torch.device | str) -> bool:

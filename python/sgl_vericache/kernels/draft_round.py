@@ -17,7 +17,7 @@ import torch
 
 from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor
 
-from . import ops
+from . import draft_head_dim, ops
 from .flashinfer_backend import FlashInferDecode
 from .packing import FMT_DENSE, PackedKV, RowTable, pack, supports
 
@@ -58,8 +58,7 @@ class KernelDraftRound:
             head_dim = _reference(rows)[1]
         except ValueError:
             return False
-        fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0
-        return fits and all(supports(layer) for _, layers in rows for layer in layers)
+        return draft_head_dim(head_dim) and all(supports(layer) for _, layers in rows for layer in layers)
 
     def nbytes(self) -> int:
         """Bytes this round holds beside the entries: the provisional KV and packed copies."""

@@ -185,17 +185,16 @@ class Speculator:
         """How SGLang's KV budget is split between its pool and this worker's compressed
         entries, dense draft buffers and prefix cache (``spec.memory_reserve``); None for a
         model without an attention layer. Called once, before the pool exists."""
-        from sgl_vericache.kernels import draft_attention_available
+        from sgl_vericache.kernels import draft_attention_available, draft_head_dim
         from sgl_vericache.spec.memory_reserve import plan_draft_memory
 
         layout = self.seam.head_layout(kv_dtype)
         if layout is None:
             return None
-        dim = layout.head_dim
-        kernels = draft_attention_available(self.seam.device) and dim >= 16 and dim & (dim - 1) == 0
+        kernels = draft_attention_available(self.seam.device) and draft_head_dim(layout.head_dim)
         prefix_bytes = 0 if self.prefix_cache is None else self.prefix_cache.budget_bytes
-        return plan_draft_memory(budget_bytes, self.planner.configured_compressors(), layout.num_kv_heads, dim,
-                                 kv_dtype, prefix_bytes, dense_buffers=not kernels)
+        return plan_draft_memory(budget_bytes, self.planner.configured_compressors(), layout.num_kv_heads,
+                                 layout.head_dim, kv_dtype, prefix_bytes, dense_buffers=not kernels)
 
     def warm_up_kernels(self, compile_now: bool = True) -> None:
         """Read the model's head layout and compile the draft kernels for the configured
@@ -543,7 +542,7 @@ class Speculator:
         out = torch.empty((len(keep), steps), dtype=torch.int64)
         source = self.store
         if self.windowed is not None:
-            widest = max(self.windowed.windows.values())
+            widest = self.windowed.widest
             verified = [batch.verified[i] for i in keep]
             self.windowed.begin_round([self.seam.slots(batch.pool_rows[i], max(0, n - widest), n)
                                        for i, n in zip(keep, verified)], verified, steps)

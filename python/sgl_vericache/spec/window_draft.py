@@ -28,6 +28,8 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from sgl_vericache.kernels import draft_head_dim
+
 KVBuffers = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -44,13 +46,14 @@ class WindowedDraft:
         self.windows = dict(windows)
         self.kv_buffers = kv_buffers
         self.kernels = kernels
+        self.widest = max(self.windows.values())  # the most verified tokens a round reads of a row
         self._round: Optional[_WindowRound] = None
 
     def begin_round(self, slots: Sequence[torch.Tensor], verified: Sequence[int], steps: int) -> None:
         """The round's rows (the store's round order): each row's slots of its verified
         tokens (at least the last max-window of them; ``slots[b][-n:]`` are positions
         ``verified[b] - n ..``) and its verified length; ``steps`` draft steps."""
-        self._round = _WindowRound(slots, verified, steps, max(self.windows.values()), self._on_kernels(slots))
+        self._round = _WindowRound(slots, verified, steps, self.widest, self._on_kernels(slots))
 
     def _on_kernels(self, slots: Sequence[torch.Tensor]) -> bool:
         if self.kernels is not None or not slots:
@@ -98,7 +101,10 @@ class _WindowRound:
         self.lens = lens
         self.verified = [int(n) for n in verified]
         self.kernels = kernels
-        self._tables: dict[tuple[int, int], tuple] = {}  # (window, step) -> the kernel's pool indices, lens, rows
+        # (window, step) -> what every window layer of that window reads at that step, made at
+        # the first such layer: the torch path's (pool columns, mask), the kernel's (indices, lens, rows)
+        self._masks: dict[tuple[int, int], tuple] = {}
+        self._tables: dict[tuple[int, int], tuple] = {}
         self.step: dict[int, int] = {}
         self.k_extra: dict[int, torch.Tensor] = {}  # layer -> [B, steps, H_kv, D] provisional KV
         self.v_extra: dict[int, torch.Tensor] = {}
@@ -113,22 +119,28 @@ class _WindowRound:
             self.v_extra[layer_id] = v_new.new_empty((self.rows, self.steps, *v_new.shape[1:]))
         self.k_extra[layer_id][:, step] = k_new
         self.v_extra[layer_id][:, step] = v_new
-        if self.kernels and step <= window and k_new.shape[-1] >= 16 and k_new.shape[-1] & (k_new.shape[-1] - 1) == 0:
+        if self.kernels and step <= window and draft_head_dim(k_new.shape[-1]):
             return self._kernel_attend(layer_id, window, pools, q, scale, step)
-        # the query at verified + step sees positions verified + step - window .. on
-        first = max(0, self.index.shape[1] - max(window - step, 0))  # older columns no row sees
+        masked = self._masks.get((window, step))
+        if masked is None:
+            first = max(0, self.index.shape[1] - max(window - step, 0))  # older columns no row sees
+            seen = torch.arange(step + 1, device=self.index.device)  # provisional token t is at verified + t
+            visible = torch.cat([self._pool_visible(window, step)[:, first:],
+                                 (seen[None, :] >= step - window).expand(self.rows, -1)], dim=1)
+            masked = self._masks[(window, step)] = (self.index[:, first:], visible.to(q.device)[:, None, None, :])
+        index, visible = masked
         k_pool, v_pool = pools
-        index, positions = self.index[:, first:], self.positions[:, first:]
-        oldest = (self.lens + step - window)[:, None]
-        seen = torch.arange(step + 1, device=positions.device)  # provisional token t is at verified + t
-        visible = torch.cat([(positions >= 0) & (positions >= oldest),
-                             (seen[None, :] >= step - window).expand(self.rows, -1)], dim=1)
         k = torch.cat([k_pool[index], self.k_extra[layer_id][:, : step + 1]], dim=1)  # [B, C + step + 1, H_kv, D]
         v = torch.cat([v_pool[index], self.v_extra[layer_id][:, : step + 1]], dim=1)
         out = F.scaled_dot_product_attention(
             q.float()[:, :, None, :], k.float().transpose(1, 2), v.float().transpose(1, 2),
-            attn_mask=visible.to(q.device)[:, None, None, :], scale=scale, enable_gqa=True)  # [B, H_q, 1, D]
+            attn_mask=visible, scale=scale, enable_gqa=True)  # [B, H_q, 1, D]
         return out[:, :, 0].to(q.dtype)
+
+    def _pool_visible(self, window: int, step: int) -> torch.Tensor:
+        """[B, widest] bool: the pool tokens the query at verified + step sees (positions
+        verified + step - window .. on; none before the request's first)."""
+        return (self.positions >= 0) & (self.positions >= (self.lens + step - window)[:, None])
 
     def _kernel_attend(self, layer_id, window, pools, q, scale, step):
         """The same attention on the draft decode kernel, reading the pool in place through
@@ -140,9 +152,7 @@ class _WindowRound:
         table = self._tables.get((window, step))
         if table is None:
             counts = [max(0, min(n, window - step)) for n in self.verified]  # positions n - c .. n - 1
-            oldest = (self.lens + step - window)[:, None]
-            visible = (self.positions >= 0) & (self.positions >= oldest)
-            indices = self.index[visible].to(torch.int32)  # row by row, ascending
+            indices = self.index[self._pool_visible(window, step)].to(torch.int32)  # row by row, ascending
             if not indices.numel():
                 indices = torch.zeros(1, dtype=torch.int32, device=self.index.device)  # a kernel argument needs storage
             table = self._tables[(window, step)] = (indices, counts,
