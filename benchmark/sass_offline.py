@@ -145,6 +145,14 @@ VERIFY_VARIANTS = {
     "verify_tree": (tv._verify_split_kernel, _VERIFY_ARGS, {**_VERIFY, "TREE": True}, 32, 4, 2),
     "verify_softcap": (tv._verify_split_kernel, _VERIFY_ARGS, {**_VERIFY, "SOFTCAP": True}, 32, 4, 2),
 }
+# the split merge (ops._combine), for 16 splits of d=128, as verify and every unfused draft
+# launch it; with a model's attention sinks (SINK). name -> as QUEST_VARIANTS (no main loop)
+_MERGE_ARGS = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+               "sink_ptr": "*fp32", "NUM_SPLITS": "i32", "HQ": "i32"}
+MERGE_VARIANTS = {
+    "merge": (td._combine_kernel, _MERGE_ARGS, dict(SP=16, D=128, HAS_LSE=False, SINK=False), 0, 4, 2),
+    "merge_sinks": (td._combine_kernel, _MERGE_ARGS, dict(SP=16, D=128, HAS_LSE=False, SINK=True), 0, 4, 2),
+}
 # what test_kernels.py compiles: each format's default launch on a GPU (half products, inline PTX),
 # for a lone entry and, _addr, for several read in place (and the fused split merge, LaunchConfig.fused,
 # on the dense kernel; int8 keys against the query's int8 terms, LaunchConfig.int8_query; KIVI
@@ -152,7 +160,7 @@ VERIFY_VARIANTS = {
 DEFAULTS = ["dense", "dense_fused", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm",
             *QUEST_VARIANTS]
 DEFAULTS += [f"{name}_addr" for name in DEFAULTS if name != "dense_fused"] + ["int8_half_asm_q8", "kivi4_half_words"]
-DEFAULTS += list(VERIFY_VARIANTS)
+DEFAULTS += list(VERIFY_VARIANTS) + list(MERGE_VARIANTS)
 # name suffixes: _q8 (int8 only: LaunchConfig.int8_query), _fused (LaunchConfig.fused), then
 # _addr (several entries read in place through their address table, packing.pack(in_place=True))
 # or _off64 (int64 offsets within an entry)
@@ -174,8 +182,8 @@ def compile_kernel(fn, types: dict, constexprs: dict, warps: int, stages: int, a
 def compile_any(name: str, arch: int = 90):
     """(compiled kernel, warps, key tokens a main-loop iteration reads; 0: no such loop)."""
     base, flags = split_name(name)
-    if base in VERIFY_VARIANTS:
-        fn, types, constexprs, bn, warps, stages = VERIFY_VARIANTS[base]
+    if base in VERIFY_VARIANTS or base in MERGE_VARIANTS:
+        fn, types, constexprs, bn, warps, stages = {**VERIFY_VARIANTS, **MERGE_VARIANTS}[base]
         return compile_kernel(fn, types, constexprs, warps, stages, arch), warps, bn
     if base in QUEST_VARIANTS:
         fn, types, constexprs, bn, warps, stages = QUEST_VARIANTS[base]
@@ -260,7 +268,7 @@ def main() -> None:
     int8 = [n for n in VARIANTS if n.startswith("int8")]
     decode = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), "quest_kv", "quest_kv_fused"]
     every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), *QUEST_VARIANTS,
-             *VERIFY_VARIANTS,
+             *VERIFY_VARIANTS, *MERGE_VARIANTS,
              *(f"{n}_off64" for n in decode),
              *(f"{n}_addr" for n in [*decode, "quest_query", "page_scores_kv", "page_scores_query"])]
     ap.add_argument("--only", nargs="*", choices=every, default=every)

@@ -482,6 +482,10 @@ def all_cases() -> list[Case]:
         cases.append(Case(f"sliding-window layers over the pool {str(dtype)[6:]} group {group} d{dim}",
                           lambda dev, a=(dtype, group, dim): check_window_rounds(dev, *a), family="store",
                           tags=("window",)))
+    cases.append(Case("store rounds kivi4+streamingllm+quest with attention sinks", lambda dev: check_store_rounds(
+        ("kivi4", "streamingllm", "quest"), dev, sinks=True), family="store", tags=("kivi4", "quest", "sinks")))
+    cases.append(Case("sliding-window layers over the pool with attention sinks", lambda dev: check_window_rounds(
+        dev, sinks=True), family="store", tags=("window", "sinks")))
     cases.append(Case("warm-up compiles what rounds launch: sliding-window layers", check_window_warm_up,
                       family="store", tags=("window", "warm")))
     cases.append(Case("store rounds kivi4+snapkv bf16", lambda dev: check_store_rounds(
@@ -489,6 +493,9 @@ def all_cases() -> list[Case]:
     for methods in (("kivi4", "streamingllm"), ("quest", "snapkv", "h2o"), ("int8", "fp8", "kivi2", "full")):
         cases.append(Case(f"warm-up compiles what rounds launch: {'+'.join(methods)}",
                           lambda dev, m=methods: check_warm_up(m, dev), family="store", tags=methods + ("warm",)))
+    cases.append(Case("warm-up compiles what rounds launch: kivi4+quest with attention sinks",
+                      lambda dev: check_warm_up(("kivi4", "quest"), dev, sinks=True), family="store",
+                      tags=("kivi4", "quest", "sinks", "warm")))
     big = Shape((4000, 1500, 777), kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16)
     for method, options in (("kivi4", {}), ("kivi2", {}), ("int8", {}), ("fp8", {}), ("snapkv", {}),
                             ("quest", {}), ("quest", {"heads": "query"})):

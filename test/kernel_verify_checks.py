@@ -8,6 +8,7 @@ sit right after its prefix in the table, as a verify forward writes them.
 
 from __future__ import annotations
 
+import importlib.util
 from types import SimpleNamespace
 
 import torch
@@ -39,10 +40,11 @@ def _pool(shape: Shape, tokens: int, device, seed: int = 0):
     return (t.to(device) for t in (k_buffer, v_buffer, table, rows, prefix))
 
 
-def _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live, window=None, softcap=None):
+def _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live, window=None, softcap=None, sinks=None):
     """fp32 SDPA per request over its gathered K/V: token j sees the prefix and mask[b, j]
     (with a window: only positions from prefix + j - window on; with a soft cap, scores
-    cap * tanh(score / cap), by hand)."""
+    cap * tanh(score / cap), by hand; with attention sinks [H_q], a softmax over the scores
+    and the head's sink, the sink's share dropped)."""
     bs, tokens, hq, d = q.shape
     out = torch.zeros(bs, tokens, hq, d)
     for b in range(bs):
@@ -56,11 +58,16 @@ def _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live, window=No
             positions = torch.arange(n + tokens)
             visible &= positions[None, :] >= positions[n:, None] - window
         qb = q[b].cpu().float().transpose(0, 1)
-        if softcap:
+        if softcap or sinks is not None:
             g = hq // k.shape[1]
             scores = qb @ k.repeat_interleave(g, 1).permute(1, 2, 0) * SCALE
-            scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~visible, float("-inf"))
-            o = torch.softmax(scores, -1) @ v.repeat_interleave(g, 1).transpose(0, 1)
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.cpu().float()[:, None, None].expand(-1, tokens, 1)], -1)
+            p = torch.softmax(scores, -1)[..., : n + tokens]
+            o = p @ v.repeat_interleave(g, 1).transpose(0, 1)
         else:
             o = F.scaled_dot_product_attention(qb, k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible,
                                                scale=SCALE, enable_gqa=hq != k.shape[1])
@@ -77,19 +84,26 @@ def _mask(bs: int, tokens: int, tree: bool, seed: int) -> torch.Tensor:
 
 def check_verify_kernel(shape: Shape, tokens: int, device, tree: bool = False, skip: tuple[int, ...] = (),
                         num_splits: int = 1, block_n: int = 16, seed: int = 0, window: int | None = None,
-                        softcap: float | None = None, **launch) -> float:
+                        softcap: float | None = None, sinks: bool = False, **launch) -> float:
     k_buffer, v_buffer, table, rows, prefix = _pool(shape, tokens, device, seed)
     bs, hq = len(shape.lengths), shape.kv_heads * shape.group
     q = torch.randn(bs, tokens, hq, shape.head_dim, generator=_gen(seed + 7)).to(shape.dtype).to(device)
     mask = _mask(bs, tokens, tree, seed + 8)
     live = torch.tensor([b not in skip for b in range(bs)], dtype=torch.int32)
+    sink = _sinks(hq, seed, device) if sinks else None
     out = kv.verify_attention(q, k_buffer, v_buffer, table, rows, prefix, SCALE, live=live.to(device),
                               mask=mask.to(device) if tree else None, num_splits=num_splits, block_n=block_n,
-                              window=window, softcap=softcap, **launch)
+                              window=window, softcap=softcap, sinks=sink, **launch)
     assert out.dtype == q.dtype and out.shape == q.shape, (out.dtype, out.shape)
     assert all(bool((out[b] == 0).all()) for b in skip), "a request not verified must get zeros"
-    ref = _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live, window, softcap)
+    ref = _reference(q, k_buffer, v_buffer, table, rows, prefix, mask, live, window, softcap, sink)
     return _close(out, ref, shape.dtype, f"verify T={tokens}")
+
+
+def _sinks(num_q_heads: int, seed: int, device) -> torch.Tensor:
+    """Attention sinks as a model holds them ([H_q], bf16 as gpt-oss loads them), large enough
+    to take a good share of each head's softmax (gpt-oss's reach several units)."""
+    return (2.0 + 2.0 * torch.randn(num_q_heads, generator=_gen(seed + 11))).to(torch.bfloat16).to(device)
 
 
 def _kv_pool(k_buffer, v_buffer):
@@ -98,11 +112,11 @@ def _kv_pool(k_buffer, v_buffer):
 
 
 def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...] = (), seed: int = 3,
-                         window: int | None = None, logit_cap: float = 0.0) -> float:
+                         window: int | None = None, logit_cap: float = 0.0, sinks: bool = False) -> float:
     """sglang/attention.py's verify_attention with its kernel on (what CUDA runs) against
     the same call on its torch path, from the same forward batch, chain mask, deferred rows
     and (a layer's ``sliding_window_size``) window; with a ``logit_cap``, as a CUDA backend
-    (``soft_caps``) whose decode caps the scores."""
+    (``soft_caps``) whose decode caps the scores; with ``sinks``, a layer's attention sinks."""
     k_buffer, v_buffer, table, rows, prefix = _pool(shape, tokens, device, seed)
     bs, hq, d = len(shape.lengths), shape.kv_heads * shape.group, shape.head_dim
     q = torch.randn(bs * tokens, hq * d, generator=_gen(seed + 7)).to(shape.dtype).to(device)
@@ -117,15 +131,59 @@ def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...
                                req_to_token_pool=SimpleNamespace(req_to_token=table), skip_rows=frozenset(skip),
                                deterministic=False, kernel=kernel, soft_caps=bool(logit_cap))
 
+    sink = _sinks(hq, seed, device) if sinks else None
     on = backend(True)
-    got = attention.verify_attention(on, q, layer, batch)
+    got = attention.verify_attention(on, q, layer, batch, sink)
     assert on.kernel, "the kernel path fell back to torch"
     shared = on.kernel_batch  # made at the first layer, reused by the next ones of this forward
-    assert shared[0] is batch and torch.equal(attention.verify_attention(on, q, layer, batch), got)
+    assert shared[0] is batch and torch.equal(attention.verify_attention(on, q, layer, batch, sink), got)
     assert on.kernel_batch is shared
-    ref = attention.verify_attention(backend(False), q, layer, batch)
+    ref = attention.verify_attention(backend(False), q, layer, batch, sink)
     assert got.shape == ref.shape == (bs * tokens, hq * d), (got.shape, ref.shape)
     return _close(got, ref, shape.dtype, "verify backend, kernel vs torch")
+
+
+def check_verify_matches_sglang_decode(device, window: int | None = None) -> float:
+    """What sinks mean is SGLang's to say: each verify row of a round (the verify backend's
+    torch path and its kernel, a layer with attention sinks) against SGLang's own Triton
+    decode kernel (``decode_attention_fwd``, what its triton backend runs for gpt-oss) of
+    one token at that row's position, with the layer's sinks and, on a sliding-window
+    layer, the window's positions only (as SGLang's backend gives its decode)."""
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    shape, tokens, seed = Shape((23, 9), kv_heads=2, group=3), 4, 5
+    k_buffer, v_buffer, table, rows, prefix = _pool(shape, tokens, device, seed)
+    bs, hq, d = len(shape.lengths), shape.kv_heads * shape.group, shape.head_dim
+    q = torch.randn(bs * tokens, hq * d, generator=_gen(seed + 7)).to(device)
+    sinks = _sinks(hq, seed, device)
+    decode = torch.empty(bs * tokens, hq, d, device=device)
+    splits = 2
+    for b in range(bs):
+        for j in range(tokens):
+            pos = int(prefix[b]) + j
+            first = 0 if window is None else max(0, pos - window)
+            indices = table[rows[b], first : pos + 1].to(torch.int32)
+            indptr = torch.tensor([0, indices.numel()], dtype=torch.int32, device=device)
+            logits = torch.empty(1, hq, splits, d, dtype=torch.float32, device=device)
+            lse = torch.empty(1, hq, splits, dtype=torch.float32, device=device)
+            row = b * tokens + j
+            decode_attention_fwd(q[row].view(1, hq, d), k_buffer, v_buffer, decode[row : row + 1], indptr, indices,
+                                 logits, lse, torch.full((1,), splits, dtype=torch.int32, device=device), splits,
+                                 SCALE, 1.0, 1.0, sinks=sinks)
+    layer = SimpleNamespace(tp_q_head_num=hq, qk_head_dim=d, v_head_dim=d, layer_id=0, scaling=SCALE,
+                            sliding_window_size=-1 if window is None else window, is_cross_attention=False,
+                            logit_cap=0.0)
+    batch = SimpleNamespace(batch_size=bs, seq_lens=prefix, seq_lens_cpu=prefix.cpu(), req_pool_indices=rows,
+                            spec_info=None)
+    worst = 0.0
+    for kernel, deterministic in ((False, False), (False, True), (True, False)):
+        backend = SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k_buffer, v_buffer),
+                                  req_to_token_pool=SimpleNamespace(req_to_token=table), skip_rows=(),
+                                  deterministic=deterministic, kernel=kernel, soft_caps=False)
+        got = attention.verify_attention(backend, q, layer, batch, sinks)
+        worst = max(worst, _close(got, decode.reshape(bs * tokens, hq * d), torch.float32,
+                                  f"verify with sinks (kernel {kernel}, deterministic {deterministic}) vs SGLang decode"))
+    return worst
 
 
 def check_verify_refuses(device) -> float:
@@ -144,21 +202,22 @@ def check_verify_warm_up(device) -> float:
     blocks of every length up to its bound, other batch sizes, prefix lengths and token
     table widths, deferred rows, through the verify backend, launch no kernel whose Triton
     cache key the warm-up did not (and on CUDA, compile nothing new); for a model that
-    soft-caps its scores (the layout's ``logit_cap``), the capped variant's."""
+    soft-caps its scores (the layout's ``logit_cap``), the capped variant's; for one with
+    attention sinks, the merge variant that adds them."""
     from sgl_vericache.spec.warm_up import HeadLayout, warm_verify
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for cap in (0.0, 30.0):
+    for cap, sinks in ((0.0, False), (30.0, False), (0.0, True)):
         with LaunchKeys() as warm:
-            warm_verify(HeadLayout(8, 2, 64, dtype, dtype, logit_cap=cap), 9, device)
+            warm_verify(HeadLayout(8, 2, 64, dtype, dtype, logit_cap=cap, sinks=sinks), 9, device)
         assert any(name == "_verify_split_kernel" for name, _ in warm.keys), warm.keys
         compiled = _compiled_count(device)
         with LaunchKeys() as real:
             for tokens, lengths, skip in ((1, (5,), ()), (3, (40, 17), (0,)), (6, (90, 3, 33), ()), (9, (64, 70), (1,))):
                 check_verify_backend(Shape(lengths, kv_heads=2, group=4, dtype=dtype), tokens, device, skip=skip,
-                                     logit_cap=cap)
+                                     logit_cap=cap, sinks=sinks)
         missing = real.keys - warm.keys
-        assert real.keys and not missing, f"cap {cap}: {len(missing)} verify launch variants the warm-up did not " + \
+        assert real.keys and not missing, f"cap {cap} sinks {sinks}: {len(missing)} verify launch variants the warm-up did not " + \
             "compile: " + "; ".join(f"{name} {key[:300]}" for name, key in sorted(missing))
         assert _compiled_count(device) == compiled, (cap, compiled, _compiled_count(device))
     return 0.0
@@ -204,6 +263,18 @@ def verify_cases() -> list[Case]:
     cases.append(Case("verify backend kernel vs torch path, soft cap", lambda dev: check_verify_backend(
         Shape((50, 9, 31), kv_heads=2, group=4), 5, dev, skip=(2,), logit_cap=1.5), family="verify",
         tags=("verify", "softcap")))
+    cases.append(Case("verify attention sinks (bf16, per query head)", lambda dev: check_verify_kernel(
+        Shape((45, 70, 3), kv_heads=2, group=4), 5, dev, num_splits=2, sinks=True, window=30), family="verify",
+        tags=("verify", "sinks")))
+    cases.append(Case("verify backend kernel vs torch path, sinks", lambda dev: check_verify_backend(
+        Shape((50, 9, 31), kv_heads=2, group=4), 5, dev, skip=(2,), sinks=True), family="verify",
+        tags=("verify", "sinks")))
+    if importlib.util.find_spec("sglang") is not None:  # the lent GPU machine has none
+        cases.append(Case("verify with sinks equals SGLang's Triton decode at each position", lambda dev:
+                          check_verify_matches_sglang_decode(dev), family="verify", tags=("verify", "sinks")))
+        cases.append(Case("verify with sinks equals SGLang's Triton decode at each position, window 6", lambda dev:
+                          check_verify_matches_sglang_decode(dev, window=6), family="verify",
+                          tags=("verify", "sinks", "window")))
     cases.append(Case("verify warm-up compiles what rounds launch", check_verify_warm_up, family="verify",
                       tags=("verify", "warm")))
     cases.append(Case("verify kernel refuses what it cannot read", check_verify_refuses, family="verify",

@@ -260,8 +260,8 @@ def test_default_kernels_compile_for_sm90_without_a_gpu(tmp_path, release):
     lone = {"dense", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm", "quest_kv", "quest_kv_fused",
             "quest_query", "page_scores_kv", "page_scores_query"}
     verify = {"verify_qp32", "verify_qp128", "verify_tree", "verify_softcap"}
-    assert set(loops) == lone | verify | {"dense_fused", "int8_half_asm_q8", "kivi4_half_words"} | {
-        f"{name}_addr" for name in lone}, out[-3000:]
+    assert set(loops) == lone | verify | {"dense_fused", "int8_half_asm_q8", "kivi4_half_words", "merge",
+                                          "merge_sinks"} | {f"{name}_addr" for name in lone}, out[-3000:]
     # the verify kernel's first loop: 32 query rows (5 tokens x 4 heads) over a block of 32
     # positions read through the token table, vectorized (the strides known to be multiples of
     # 16, as a launch specializes them): ~345 instructions; ~575 when every row is loaded apart.

@@ -109,3 +109,111 @@ def test_a_logit_cap_is_applied_where_the_devices_decode_applies_it():
     assert not backend("cpu", False).soft_caps and not backend("cpu", False).kernel
     assert backend("cuda", False).soft_caps and not backend("cuda", True).soft_caps
     assert not backend("cuda", True).kernel  # deterministic: the torch path, as on CPU
+
+
+def test_attention_sinks_take_their_share_of_each_softmax():
+    """A layer's attention sinks (gpt-oss, Granite-SWA, MiMo-V2: one more term exp(sink) in
+    each query head's softmax denominator, as SGLang's decode kernels add it) scale every
+    verify row of decode's attention by Z / (Z + exp(sink)), Z the sum of its visible
+    scores' exponentials: checked against torch_native's decode (which has no sinks) times
+    that factor, on both torch paths and with a window. kernel_checks' `sinks` cases hold
+    the kernel to SGLang's own Triton decode with sinks."""
+    k, v, table, rows, q = _setup(1)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 3.5, 0.0, 1.0])  # [H_q]
+    for window in (None, 7):
+        decode = _decode_rows(k, v, table, rows, q, window).view(len(PREFIXES), BLOCK, HQ, D)
+        share = torch.empty(len(PREFIXES), BLOCK, HQ)
+        for b, n in enumerate(PREFIXES):
+            slots = table[rows[b], : n + BLOCK].long()
+            keys = k[slots].repeat_interleave(HQ // HKV, 1)  # [n + BLOCK, H_q, D]
+            for j in range(BLOCK):
+                first = 0 if window is None else max(0, n + j - window)
+                scores = torch.einsum("hd,thd->ht", q.view(len(PREFIXES), BLOCK, HQ, D)[b, j], keys[first : n + j + 1])
+                lse = torch.logsumexp(scores * SCALE, -1)
+                share[b, j] = torch.sigmoid(lse - sinks)  # Z / (Z + e^sink)
+        expected = (decode * share[..., None]).reshape(len(PREFIXES) * BLOCK, HQ * D)
+        for deterministic in (True, False):
+            backend = SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k, v),
+                                      skip_rows=(), req_to_token_pool=SimpleNamespace(req_to_token=table),
+                                      deterministic=deterministic, kernel=False, soft_caps=False)
+            layer = SimpleNamespace(tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D, layer_id=0, scaling=SCALE,
+                                    sliding_window_size=-1 if window is None else window, is_cross_attention=False,
+                                    logit_cap=0.0)
+            batch = SimpleNamespace(batch_size=len(PREFIXES), seq_lens=torch.tensor(PREFIXES), req_pool_indices=rows,
+                                    spec_info=None)
+            got = verify_attention(backend, q, layer, batch, sinks)
+            torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-6)
+            assert (got - decode.reshape_as(got)).abs().max() > 0.05  # the sinks took a share
+
+
+def test_backends_pass_attention_sinks_on_and_refuse_other_attention_arguments():
+    """The verify backend hands a model's ``sinks`` to verify attention and the draft backend
+    to the draft's store; an attention argument VeriCache does not compute (a ``score_mod``)
+    stops with its name instead of attending otherwise than decode does."""
+    from sgl_vericache.sglang.attention import make_draft_backend, make_verify_backend
+    from sgl_vericache.sglang.runtime import Runtime
+
+    k, v, table, rows, q = _setup(2)
+    sinks = torch.linspace(-1.0, 2.0, HQ)
+    written = []
+    pool = SimpleNamespace(get_key_buffer=lambda layer_id: k, get_value_buffer=lambda layer_id: v,
+                           set_kv_buffer=lambda *args: written.append(args))
+    runner = SimpleNamespace(attn_backend=object(), req_to_token_pool=SimpleNamespace(req_to_token=table),
+                             token_to_kv_pool=pool, device="cpu")
+    backend = make_verify_backend(runner, Runtime())
+    layer = SimpleNamespace(tp_q_head_num=HQ, tp_k_head_num=HKV, qk_head_dim=D, v_head_dim=D, layer_id=0,
+                            scaling=SCALE, sliding_window_size=-1, is_cross_attention=False, logit_cap=0.0)
+    batch = SimpleNamespace(batch_size=len(PREFIXES), seq_lens=torch.tensor(PREFIXES), req_pool_indices=rows,
+                            spec_info=None, out_cache_loc=None,
+                            forward_mode=SimpleNamespace(is_target_verify=lambda: True))
+    got = backend.forward(q, None, None, layer, batch, save_kv_cache=False, sinks=sinks)
+    torch.testing.assert_close(got, verify_attention(backend, q, layer, batch, sinks))
+    assert (got - verify_attention(backend, q, layer, batch)).abs().max() > 0.05
+    with pytest.raises(NotImplementedError, match="score_mod"):
+        backend.forward(q, None, None, layer, batch, save_kv_cache=False, sinks=sinks, score_mod=lambda s: s)
+    assert not written  # refused before the KV was written
+
+    seen = []
+
+    class Store:
+        def attend(self, layer_id, q, k_new, v_new, scale, sinks=None):
+            seen.append(sinks)
+            return torch.zeros_like(q)
+
+    draft = make_draft_backend(runner, Store())
+    kn = torch.zeros(2, HKV * D)
+    draft.forward_decode(q[:2], kn, kn, layer, batch, sinks=sinks)
+    draft.forward_decode(q[:2], kn, kn, layer, batch)
+    assert seen[0] is sinks and seen[1] is None
+    with pytest.raises(NotImplementedError, match="draft attention does not compute attention with score_mod.*--no-vericache-enable"):
+        draft.forward_decode(q[:2], kn, kn, layer, batch, score_mod=lambda s: s)
+
+
+def test_attention_verify_does_not_compute_is_refused_at_start_where_decode_applies_it():
+    """A model whose decode attention does what verify does not (Grok's temperature by
+    position, another capping method, ALiBi in the kernel, Llama 4's chunked attention,
+    cross-attention) is refused when the worker starts on CUDA, naming it; on the CPU engine,
+    whose torch_native decode does none of it either, it is served (outputs equal there)."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from sgl_vericache.sglang.attention import check_attention, unreproduced_attention
+
+    def model(**attrs):
+        net = torch.nn.ModuleList([RadixAttention(4, 16, 0.25, 2, layer_id=i) for i in range(2)])
+        for name, value in attrs.items():
+            setattr(net[1], name, value)
+        return net
+
+    config = SimpleNamespace(attention_chunk_size=None)
+    assert unreproduced_attention(model(), config, "cuda") == []
+    assert unreproduced_attention(model(logit_cap=30.0, sliding_window_size=7), config, "cuda") == []
+    for attrs, chunked, said in (({"xai_temperature_len": 1024}, None, "xai_temperature_len"),
+                                 ({"logit_cap": 30.0, "logit_capping_method": "clamp"}, None, "clamp"),
+                                 ({"pos_encoding_mode": "ALIBI"}, None, "ALIBI"),
+                                 ({"use_irope": True}, 8192, "attention_chunk_size 8192"),
+                                 ({"is_cross_attention": True}, None, "cross-attention")):
+        cfg = SimpleNamespace(attention_chunk_size=chunked)
+        assert unreproduced_attention(model(**attrs), cfg, "cpu") == []
+        with pytest.raises(ValueError, match=f"cannot verify this model exactly.*{said}.*--no-vericache-enable"):
+            check_attention(model(**attrs), cfg, "cuda")
+    assert unreproduced_attention(model(use_irope=True), config, "cuda") == []  # no chunk size: no chunking

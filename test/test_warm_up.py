@@ -165,7 +165,7 @@ def test_the_verify_warm_up_launches_each_query_rows_size_once(monkeypatch):
     launched = []
     monkeypatch.setattr(verify, "verify_attention", lambda q, *a, **kw: launched.append(
         (q.shape[1], verify.query_rows(3, q.shape[1]), kw["mask"].shape)))
-    monkeypatch.setattr("sgl_vericache.kernels.ops.warm_merges", lambda *a: None)
+    monkeypatch.setattr("sgl_vericache.kernels.ops.warm_merges", lambda *a, **kw: None)
     warm_verify(LAYOUT, 17, torch.device("cpu"))  # group 3: 1-5 tokens 16 rows, 6-10 32, 11-17 64
     assert launched == [(1, 16, (1, 1, 1)), (6, 32, (1, 6, 6)), (11, 64, (1, 11, 11))], launched
 
@@ -187,6 +187,8 @@ def test_the_worker_reads_its_layout_from_the_first_attention_layer():
     seam.model_runner = SimpleNamespace(model=model, token_to_kv_pool=SimpleNamespace(get_key_buffer=buffers.get),
                                         model_config=SimpleNamespace(dtype=torch.bfloat16))
     assert seam.head_layout() == HeadLayout(12, 4, 128, torch.float16, torch.bfloat16, logit_cap=50.0)
+    model[0].sinks = nn.Parameter(torch.zeros(12))  # where gpt-oss / Granite-SWA keep theirs
+    assert seam.head_layout() == HeadLayout(12, 4, 128, torch.float16, torch.bfloat16, logit_cap=50.0, sinks=True)
     seam.model_runner.model = nn.Linear(4, 4)
     assert seam.head_layout() is None
 

@@ -11,6 +11,8 @@ stop at the block's last visible key. With no prefix it makes SGLang's own call.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -63,5 +65,51 @@ def extend_attention(
                     q[:, b0:b1].unsqueeze(0), keys[:, :visible_end].unsqueeze(0),
                     values[:, :visible_end].unsqueeze(0), attn_mask=mask, enable_gqa=enable_gqa, scale=scaling)
                 out[b0:b1].copy_(o.squeeze(0).movedim(1, 0))
+        start += new
+    return output
+
+
+SINK_QUERY_BLOCK = 512  # query rows per score matrix in sink_attention (bounds it to 512 x keys x H_q)
+
+
+def sink_attention(
+    query: torch.Tensor,  # [num_tokens, H_q, D] the batch's new tokens (a decode: one a request)
+    output: torch.Tensor,  # [num_tokens, H_q, Dv], written in place
+    k_cache: torch.Tensor,  # [slots, H_kv, D]
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,  # [rows, max_len] slot of each position
+    req_pool_indices: torch.Tensor,  # [bs]
+    seq_lens: torch.Tensor,  # [bs] every position, the new tokens' included
+    new_lens: list[int],  # per request: its new tokens (the last ones of its positions)
+    sinks: torch.Tensor,  # [H_q] the layer's attention sinks
+    scaling: float,
+    window: Optional[int] = None,  # a sliding-window layer's: position p sees p - window .. p
+) -> torch.Tensor:
+    """Causal attention with attention sinks (gpt-oss, Granite-SWA, MiMo-V2), which SGLang's
+    ``torch_native`` backend does not take: each query head's softmax gets one more term,
+    exp(sink), in its denominator, as SGLang's CUDA kernels add it. Computed in fp32, the
+    new tokens' rows only, SINK_QUERY_BLOCK rows at a time."""
+    group = query.shape[1] // k_cache.shape[1]
+    sink = sinks.float()[:, None, None]  # [H_q, 1, 1]
+    start = 0
+    for row, total, new in zip(req_pool_indices.tolist(), seq_lens.tolist(), new_lens):
+        if new == 0:
+            continue
+        prefix = total - new
+        slots = req_to_token[row, :total]
+        keys = k_cache[slots].float().movedim(0, 1).repeat_interleave(group, 0)  # [H_q, total, D]
+        values = v_cache[slots].float().movedim(0, 1).repeat_interleave(group, 0)
+        for b0 in range(0, new, SINK_QUERY_BLOCK):
+            b1 = min(new, b0 + SINK_QUERY_BLOCK)
+            q = query[start + b0 : start + b1].float().movedim(0, 1)  # [H_q, rows, D]
+            end = prefix + b1  # the block's last query sees keys [0, end)
+            key_pos = torch.arange(end, device=q.device)
+            query_pos = prefix + torch.arange(b0, b1, device=q.device)
+            visible = key_pos[None, :] <= query_pos[:, None]
+            if window is not None:
+                visible &= key_pos[None, :] >= query_pos[:, None] - window
+            scores = (q @ keys[:, :end].transpose(1, 2) * scaling).masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(torch.cat([scores, sink.expand(-1, b1 - b0, 1)], -1), -1)[..., :-1]
+            output[start + b0 : start + b1] = (probs @ values[:, :end]).movedim(1, 0).to(output.dtype)
         start += new
     return output

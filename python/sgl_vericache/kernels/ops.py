@@ -268,12 +268,16 @@ def _check(packed: PackedKV, q: torch.Tensor, rows: RowTable) -> int:
 def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable,
                      k_extra: Optional[torch.Tensor] = None, v_extra: Optional[torch.Tensor] = None,
                      ext_add: int = 0, config: LaunchConfig = LaunchConfig(),
-                     return_lse: bool = False):
-    """Draft attention of q over each row's entry (+ extras). See the module docstring."""
+                     return_lse: bool = False, sinks: Optional[torch.Tensor] = None):
+    """Draft attention of q over each row's entry (+ extras). See the module docstring.
+    ``sinks`` [H_q]: the layer's attention sinks, added where the splits merge (so by the
+    second kernel: a fused launch merges without them)."""
     if packed.page_size:
-        return quest_decode(packed, q, scale, rows, k_extra, v_extra, ext_add, config, return_lse)
+        return quest_decode(packed, q, scale, rows, k_extra, v_extra, ext_add, config, return_lse, sinks=sinks)
     group = _check(packed, q, rows)
     config = launch_for(config, packed.fmt)
+    if sinks is not None and config.fused:
+        config = dataclasses.replace(config, fused=False)
     q = q.contiguous()
     num_rows, num_q_heads, head_dim = q.shape
     ke, ve, e_cap = _extras(k_extra, v_extra, packed, ext_add)
@@ -308,7 +312,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
     )
     if config.fused:
         return (out, lse) if return_lse else out
-    return _combine(m, l, acc, q.dtype, return_lse)
+    return _combine(m, l, acc, q.dtype, return_lse, sinks)
 
 
 def page_scores(packed: PackedKV, q: torch.Tensor, rows: RowTable) -> torch.Tensor:
@@ -337,12 +341,16 @@ def select_pages(scores: torch.Tensor, pages_read: int) -> torch.Tensor:
 
 def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable,
                  k_extra=None, v_extra=None, ext_add: int = 0, config: LaunchConfig = LaunchConfig(),
-                 return_lse: bool = False, selection: Optional[torch.Tensor] = None):
+                 return_lse: bool = False, selection: Optional[torch.Tensor] = None,
+                 sinks: Optional[torch.Tensor] = None):
     """Quest: score every page of each row's entry, keep each choosing head's top pages_read
-    pages, attend over those pages (+ extras). ``selection`` [R, H_c, K] skips the scoring."""
+    pages, attend over those pages (+ extras). ``selection`` [R, H_c, K] skips the scoring;
+    ``sinks`` as decode_attention's."""
     group = _check(packed, q, rows)
     per_kv = packed.page_per_kv_head
     config = launch_for(config, FMT_DENSE if per_kv else "quest")
+    if sinks is not None and config.fused:
+        config = dataclasses.replace(config, fused=False)
     q = q.contiguous()
     num_rows, num_q_heads, head_dim = q.shape
     if selection is None:
@@ -373,7 +381,7 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
         tq._quest_split_kernel[(num_rows, heads, splits)](
             *head, *tail, packed.page_size, splits, GROUP=group, D=head_dim, BN=config.block_n, ROUND=rnd,
             ADDR=addr, num_warps=config.num_warps, num_stages=config.num_stages)
-    return _combine(m, l, acc, q.dtype, return_lse)
+    return _combine(m, l, acc, q.dtype, return_lse, sinks)
 
 
 def _or(t: Optional[torch.Tensor], fallback: torch.Tensor) -> torch.Tensor:
@@ -410,20 +418,36 @@ def _partials(num_rows, num_q_heads, splits, head_dim, device):
                                                device=device)
 
 
-def warm_merges(num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+def warm_merges(num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                sinks: bool = False) -> None:
     """Launch the split merge once at every split count a launch may choose (1 .. MAX_SPLITS:
-    its SP is a compile-time size), so none compiles inside a draft round (spec/warm_up.py)."""
+    its SP is a compile-time size), so none compiles inside a draft round (spec/warm_up.py);
+    ``sinks``: its variant adding a model's attention sinks."""
     splits = 1
+    sink = torch.zeros(num_q_heads, device=device) if sinks else None
     while splits <= MAX_SPLITS:
         m, l, acc = (t.zero_() for t in _partials(1, num_q_heads, splits, head_dim, device))
-        _combine(m, l, acc, dtype, False)
+        _combine(m, l, acc, dtype, False, sink)
         splits *= 2
 
 
-def _combine(m, l, acc, dtype, return_lse):
+def _combine(m, l, acc, dtype, return_lse, sinks: Optional[torch.Tensor] = None):
+    """Merge the split states; ``sinks`` [H_q]: attention sinks, one exp(sink) more in each
+    query head's denominator (None: none)."""
     num_rows, num_q_heads, splits, head_dim = acc.shape
     out = torch.empty(num_rows, num_q_heads, head_dim, dtype=dtype, device=acc.device)
     lse = torch.empty(num_rows, num_q_heads, dtype=torch.float32, device=acc.device) if return_lse else m
-    td._combine_kernel[(num_rows * num_q_heads,)](m, l, acc, out, lse, splits, SP=max(2, splits), D=head_dim,
-                                                  HAS_LSE=return_lse)
+    if sinks is not None:
+        sinks = check_sinks(sinks, num_q_heads, acc.device)
+    td._combine_kernel[(num_rows * num_q_heads,)](m, l, acc, out, lse, m if sinks is None else sinks, splits,
+                                                  num_q_heads, SP=max(2, splits), D=head_dim, HAS_LSE=return_lse,
+                                                  SINK=sinks is not None)
     return (out, lse) if return_lse else out
+
+
+def check_sinks(sinks: torch.Tensor, num_q_heads: int, device) -> torch.Tensor:
+    """A layer's attention sinks as the merge reads them: [H_q] fp32 (a model holds them in
+    bf16 or fp32: one kernel variant for both), contiguous, on ``device``."""
+    if sinks.dim() != 1 or sinks.shape[0] != num_q_heads:
+        raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: accepted: [{num_q_heads}], one a query head")
+    return sinks.to(device=device, dtype=torch.float32).contiguous()

@@ -466,24 +466,26 @@ def _finish_rows(m_i, l_i, acc, q_row0, split, m_ptr, l_ptr, acc_ptr, out_ptr, l
         if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
             for g in tl.static_range(GROUP):  # the query rows' merges are independent loads, unrolled
                 _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, q_row0 + g, NUM_SPLITS, SP, D, HAS_LSE,
-                              ".cg")
+                              ".cg", m_ptr, 1, False)
             tl.atomic_xchg(tick_ptr, 0)
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS"])
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, NUM_SPLITS,
-                    SP: tl.constexpr, D: tl.constexpr, HAS_LSE: tl.constexpr):
+@triton.jit(do_not_specialize=["NUM_SPLITS", "HQ"])
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, sink_ptr, NUM_SPLITS, HQ,
+                    SP: tl.constexpr, D: tl.constexpr, HAS_LSE: tl.constexpr, SINK: tl.constexpr = False):
     """Merge one (row, query head)'s split states (see _merge_splits)."""
     _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, tl.program_id(0).to(tl.int64), NUM_SPLITS, SP, D,
-                  HAS_LSE, "")
+                  HAS_LSE, "", sink_ptr, HQ, SINK)
 
 
 @triton.jit
 def _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, rh, NUM_SPLITS, SP: tl.constexpr, D: tl.constexpr,
-                  HAS_LSE: tl.constexpr, CACHE: tl.constexpr):
+                  HAS_LSE: tl.constexpr, CACHE: tl.constexpr, sink_ptr, HQ, SINK: tl.constexpr):
     """(row, query head) rh's split states, all SP >= NUM_SPLITS in one load (CACHE: the
     loads' cache modifier), merged: out = sum_s w_s acc_s / sum_s w_s l_s. A row that saw
-    no key at all gets zeros (and lse -inf)."""
+    no key at all gets zeros (and lse -inf). SINK: the query head's attention sink
+    (``sink_ptr`` [HQ], natural-log units, rh = row * HQ + head) adds exp(sink) to the
+    denominator, as SGLang's decode does."""
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
     live = s < NUM_SPLITS
@@ -494,6 +496,9 @@ def _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, rh, NUM_SPLITS, SP: t
     m_max = tl.max(m, 0)
     w = tl.exp2(m - m_max)
     total = tl.sum(w * l, 0)
+    if SINK:  # in the scores' base-2 units, relative to the same maximum; not for a row that saw nothing
+        gap = tl.load(sink_ptr + rh % HQ).to(tl.float32) * 1.4426950408889634 - m_max
+        total += tl.exp2(tl.where(total > 0, gap, float("-inf")))
     out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + rh * D + d, out.to(out_ptr.dtype.element_ty))
     if HAS_LSE:

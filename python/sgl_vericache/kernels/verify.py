@@ -53,7 +53,7 @@ def verify_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, scale: float, *,
                      live: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
                      longest: Optional[int] = None, window: Optional[int] = None, softcap: Optional[float] = None,
-                     num_splits: Optional[int] = None,
+                     sinks: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
                      block_n: int = VERIFY_BLOCK_N, num_warps: Optional[int] = None,
                      num_stages: int = 2, max_query_rows: int = VERIFY_QUERY_ROWS) -> torch.Tensor:
     """See the module docstring. ``live`` [B] (nonzero: verified; default all): a request
@@ -62,7 +62,9 @@ def verify_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ``window``: a sliding-window layer's (token j at position prefix + j sees positions
     prefix + j - window .. on, as SGLang's decode); None: every position. ``softcap``: a
     soft-capped layer's cap (scores become cap * tanh(score / cap), as SGLang's CUDA
-    backends apply ``logit_cap``); None: no cap. The launch sizes (``block_n``, ``num_warps``
+    backends apply ``logit_cap``); None: no cap. ``sinks`` [H_q]: a layer's attention sinks
+    (one exp(sink) more in each query head's softmax denominator, as SGLang's decode kernels
+    add it: gpt-oss, Granite-SWA); None: none. The launch sizes (``block_n``, ``num_warps``
     (None: 4 up to 64 query rows, 8 above), ``num_stages``, ``max_query_rows``: the most a
     program holds) are bench_kernels.py's verify search's to try; callers keep the defaults."""
     bs, tokens, num_q_heads, head_dim = q.shape
@@ -101,5 +103,5 @@ def verify_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         GROUP=group, QP=qp, D=head_dim, DP=dp, BN=block_n, ROUND=rnd, DOT=dot, TREE=tree, SOFTCAP=bool(softcap),
         num_warps=num_warps or (4 if qp <= 64 else 8), num_stages=num_stages,
     )
-    out = _combine(m, l, acc, q.dtype, False)
+    out = _combine(m, l, acc, q.dtype, False, sinks)
     return out[..., :head_dim].reshape(bs, tokens, num_q_heads, head_dim)

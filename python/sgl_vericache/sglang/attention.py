@@ -46,6 +46,7 @@ def make_draft_backend(model_runner, store):
                 k.reshape(-1, hkv, d),
                 v.reshape(-1, hkv, layer.v_head_dim),
                 layer.scaling,
+                attention_extras(kwargs, "draft"),  # the layer's attention sinks, as the target's decode
             )
             return out.reshape(-1, hq * layer.v_head_dim)
 
@@ -98,20 +99,40 @@ def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = Fa
                 if self.capture is not None and forward_batch.forward_mode.is_extend():
                     capture_queries(self, q, layer, forward_batch)
                 return self.inner.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            sinks = attention_extras(kwargs, "verify")
             if save_kv_cache:
                 self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
-            return verify_attention(self, q, layer, forward_batch)
+            return verify_attention(self, q, layer, forward_batch, sinks)
 
     return VerifyBackend()
 
 
-def verify_attention(backend, q, layer, forward_batch):
+def attention_extras(kwargs: dict, what: str):
+    """The keyword arguments a model's attention call passes beside q, k, v: a layer's
+    attention sinks (``sinks``, [H_q]: gpt-oss, Granite-SWA, MiMo-V2), which VeriCache's
+    attention applies as SGLang's decode does, returned; any other one set (an attention
+    variant VeriCache does not compute) raises, naming it, rather than attend otherwise
+    than decode does."""
+    sinks = kwargs.get("sinks")
+    other = sorted(name for name, value in kwargs.items() if name != "sinks" and value is not None
+                   and value is not False)
+    if other:
+        raise NotImplementedError(f"VeriCache {what} attention does not compute attention with "
+                                  f"{', '.join(other)} (this model's attention layers pass them); "
+                                  "serve it with --no-vericache-enable")
+    return sinks
+
+
+def verify_attention(backend, q, layer, forward_batch, sinks=None):
+    """``sinks``: the layer's attention sinks ([H_q], natural-log units: each query head's
+    softmax has one more term, exp(sink), in its denominator and none in its sum of
+    values, as SGLang's decode kernels add it), or None."""
     hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
     parking = backend.runtime.parking
     if parking is not None:
         parking.wait_layer(layer.layer_id)  # parked full KV copied back for this layer
     if backend.kernel:
-        out = verify_on_kernel(backend, q, layer, forward_batch)
+        out = verify_on_kernel(backend, q, layer, forward_batch, sinks)
         if out is not None:
             return out
     bs = forward_batch.batch_size
@@ -134,15 +155,16 @@ def verify_attention(backend, q, layer, forward_batch):
         slots = req_to_token[rows[b], : prefix + n].to(torch.int64)
         keys, values = k_cache[slots], v_cache[slots]  # [prefix + n, H_kv, D]
         if backend.deterministic:
-            out[b] = decode_shaped_rows(q[b], keys, values, prefix, layer.scaling, hq != keys.shape[1], window)
+            out[b] = decode_shaped_rows(q[b], keys, values, prefix, layer.scaling, hq != keys.shape[1], window,
+                                        sinks)
             continue
         visible = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=q.device), tree[b]], dim=1)
         if window is not None:  # token j (position prefix + j) sees positions prefix + j - window .. on
             positions = torch.arange(prefix + n, device=q.device)
             visible &= positions[None, :] >= positions[prefix:, None] - window
-        if cap is not None:
-            o = capped_attention(q[b].transpose(0, 1).float(), keys.transpose(0, 1).float(),
-                                 values.transpose(0, 1).float(), visible, layer.scaling, cap)
+        if cap is not None or sinks is not None:
+            o = explicit_attention(q[b].transpose(0, 1).float(), keys.transpose(0, 1).float(),
+                                   values.transpose(0, 1).float(), visible, layer.scaling, cap, sinks)
         else:
             o = F.scaled_dot_product_attention(
                 q[b].transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
@@ -152,7 +174,7 @@ def verify_attention(backend, q, layer, forward_batch):
     return out.reshape(bs * n, hq * dv)
 
 
-def verify_on_kernel(backend, q, layer, forward_batch):
+def verify_on_kernel(backend, q, layer, forward_batch, sinks=None):
     """verify_attention in one Triton launch (kernels/verify.py) reading the pool where it
     lies; None (and the torch path from then on, logged once) where the layer does not
     fit the kernel."""
@@ -172,7 +194,7 @@ def verify_on_kernel(backend, q, layer, forward_batch):
     out = kv.verify_attention(q.reshape(bs, n, hq, d), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
                               forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling, live=live,
                               mask=mask, longest=longest, window=sliding_window(layer),
-                              softcap=logit_cap(layer) if backend.soft_caps else None)
+                              softcap=logit_cap(layer) if backend.soft_caps else None, sinks=sinks)
     return out.reshape(bs * n, hq * dv)
 
 
@@ -199,6 +221,55 @@ def kernel_batch(backend, forward_batch, n, device):
     return live, mask, longest
 
 
+def unreproduced_attention(model, model_config, device) -> list:
+    """What the target's attention layers do that VeriCache's verify does not compute, on a
+    device whose SGLang backends do it (CUDA; the CPU engine's torch_native does none of it,
+    so speculation off ignores it there too): Grok's attention temperature
+    (``xai_temperature_len``), a soft cap other than tanh, a positional mode applied in the
+    kernel (ALiBi), Llama 4's chunked local attention, cross-attention. One line each; empty
+    when verify's logits are decode's. Checked when the worker starts (``check_attention``)."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    if torch.device(device).type != "cuda":
+        return []
+    layers = [m for m in model.modules() if isinstance(m, RadixAttention)]
+    found = []
+    if any(getattr(m, "xai_temperature_len", -1) > 0 for m in layers):
+        found.append("attention temperature by position (xai_temperature_len, Grok)")
+    methods = {getattr(m, "logit_capping_method", "tanh") for m in layers if getattr(m, "logit_cap", 0)}
+    if methods - {"tanh"}:
+        found.append(f"logit capping method {sorted(methods - {'tanh'})} (verify caps by tanh only)")
+    modes = {str(getattr(m, "pos_encoding_mode", "NONE")) for m in layers} - {"NONE", "None"}
+    if modes:
+        found.append(f"positional encoding in the attention kernel {sorted(modes)}")
+    if getattr(model_config, "attention_chunk_size", None) and any(getattr(m, "use_irope", False) for m in layers):
+        found.append(f"chunked local attention (attention_chunk_size {model_config.attention_chunk_size}, Llama 4)")
+    if any(getattr(m, "is_cross_attention", False) for m in layers):
+        found.append("cross-attention layers")
+    return found
+
+
+def check_attention(model, model_config, device) -> None:
+    """Refuse at start a model whose decode attention verify would not reproduce (its outputs
+    would differ from speculation off), naming what."""
+    found = unreproduced_attention(model, model_config, device)
+    if found:
+        raise ValueError("--speculative-algorithm VERICACHE cannot verify this model exactly: its attention "
+                         f"layers use {'; '.join(found)}, which VeriCache's verify attention does not compute; "
+                         "serve it with --no-vericache-enable")
+
+
+# where SGLang's models keep the attention sinks they pass to their attention as ``sinks``
+SINK_ATTRIBUTES = ("sinks", "attention_sink_bias")
+
+
+def has_attention_sinks(model) -> bool:
+    """Whether ``model``'s attention modules hold attention sinks (gpt-oss, Granite-SWA,
+    MiMo-V2), which they pass to every attention call: the warm-up then compiles the split
+    merge's variant that adds them. Only a warm-up hint: what a call passes is what applies."""
+    return any(isinstance(getattr(m, name, None), torch.Tensor) for m in model.modules() for name in SINK_ATTRIBUTES)
+
+
 def sliding_windows(model) -> dict:
     """Layer id -> window of each sliding-window attention layer of ``model`` (none: {})."""
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -220,21 +291,30 @@ def logit_cap(layer):
     return float(cap) if cap else None
 
 
-def capped_attention(q, keys, values, visible, scale, cap):
-    """Attention with soft-capped scores (SDPA has no cap). q [H_q, n, D]; keys / values
-    [H_kv, L, D]; visible [n, L]."""
+def explicit_attention(q, keys, values, visible, scale, cap=None, sinks=None):
+    """Attention written out, for what SDPA has no argument for: soft-capped scores (``cap``:
+    cap * tanh(score / cap)) and attention sinks (``sinks`` [H_q]: one more term, exp(sink),
+    in each query head's softmax denominator). q [H_q, n, D]; keys / values [H_kv, L, D];
+    visible [n, L]."""
     group = q.shape[0] // keys.shape[0]
     keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-    scores = cap * torch.tanh(q @ keys.transpose(1, 2) * scale / cap)
-    return torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ values
+    scores = q @ keys.transpose(1, 2) * scale  # [H_q, n, L]
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, -1) @ values
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+    return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ values
 
 
-def decode_shaped_rows(q, keys, values, prefix, scale, gqa, window=None):
+def decode_shaped_rows(q, keys, values, prefix, scale, gqa, window=None, sinks=None):
     """Deterministic mode: verify row j computed exactly as SGLang's torch_native decode
     computes a one-token step at that position (same call, shapes, strides and, on a
     sliding-window layer, the same window mask), so its output is bit-equal to decode's.
     Valid for a linear chain (row j sees the prefix and rows 0..j). q: [n, H_q, D];
-    keys/values: [prefix + n, H_kv, D]."""
+    keys/values: [prefix + n, H_kv, D]. With attention sinks (which torch_native does not
+    take) each row is ``explicit_attention`` of that row alone, as batch-invariant."""
     rows = []
     for j in range(q.shape[0]):
         end = prefix + j + 1
@@ -242,6 +322,12 @@ def decode_shaped_rows(q, keys, values, prefix, scale, gqa, window=None):
         if window is not None:
             positions = torch.arange(end, device=q.device).unsqueeze(0)
             mask = (positions <= end - 1) & (positions >= end - 1 - window)  # [1, end]
+        if sinks is not None:
+            visible = torch.ones(1, end, dtype=torch.bool, device=q.device) if mask is None else mask
+            o = explicit_attention(q[j : j + 1].movedim(0, 1), keys[:end].movedim(0, 1), values[:end].movedim(0, 1),
+                                   visible, scale, sinks=sinks)  # [H_q, 1, Dv]
+            rows.append(o.movedim(1, 0).to(q.dtype))
+            continue
         o = F.scaled_dot_product_attention(
             q[j : j + 1].movedim(0, 1).unsqueeze(0),  # [1, H_q, 1, D]
             keys[:end].movedim(0, 1).unsqueeze(0),
@@ -279,7 +365,8 @@ def install_cpu_extend_attention(runtime: Runtime) -> None:
     (``cpu.attention.extend_attention``) instead of a causal attention over prefix + new
     rows of which the prefix rows are thrown away. Every engine that loads the plugin gets
     it, speculation on or off. Encoder, cross-attention and sliding-window layers keep
-    SGLang's code."""
+    SGLang's code. And its extends and decodes take a layer's attention sinks, which
+    SGLang's CUDA backends apply and torch_native refuses (``cpu_sink_forward``)."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     from sgl_vericache.cpu.attention import extend_attention
@@ -300,3 +387,51 @@ def install_cpu_extend_attention(runtime: Runtime) -> None:
         return run_extend
 
     patch(TorchNativeAttnBackend, "_run_sdpa_forward_extend", runtime, make)
+
+    def make_sink_extend(original):
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
+            if sinks is None or kwargs:
+                return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return cpu_sink_forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks,
+                                    forward_batch.extend_seq_lens.tolist())
+
+        return forward_extend
+
+    def make_sink_decode(original):
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
+            if sinks is None or kwargs:
+                return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return cpu_sink_forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks,
+                                    [1] * forward_batch.batch_size)
+
+        return forward_decode
+
+    # models with attention sinks (gpt-oss, Granite-SWA, MiMo-V2) pass them to every attention
+    # call; torch_native takes no such argument (a TypeError at the first forward)
+    patch(TorchNativeAttnBackend, "forward_extend", runtime, make_sink_extend)
+    patch(TorchNativeAttnBackend, "forward_decode", runtime, make_sink_decode)
+
+
+def cpu_sink_forward(backend, q, k, v, layer, forward_batch, save_kv_cache, sinks, new_lens):
+    """torch_native's extend / decode for a layer with attention sinks: the KV written as
+    torch_native writes it, then ``cpu.attention.sink_attention`` over each request's
+    positions (its sliding window, if the layer has one)."""
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    from sgl_vericache.cpu.attention import sink_attention
+
+    if layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY:
+        raise NotImplementedError("attention sinks on a cross-attention or encoder layer: the CPU engine computes "
+                                  "them for causal decoder layers only")
+    if save_kv_cache and k is not None and v is not None:
+        backend.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc,
+                                                                 backend.swa_out_cache_loc), k, v)
+    hq = layer.tp_q_head_num
+    out = q.new_empty((q.numel() // (hq * layer.qk_head_dim), hq * layer.v_head_dim))
+    sink_attention(q.reshape(-1, hq, layer.qk_head_dim), out.view(-1, hq, layer.v_head_dim),
+                   backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                   backend.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                   backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                   new_lens, sinks, layer.scaling, sliding_window(layer))
+    return out

@@ -129,11 +129,12 @@ class WorkerSeam:
     def head_layout(self, kv_dtype=None):
         """This worker's attention heads and dtypes, as the draft kernels see them (their
         start-up warm-up, ``spec.warm_up``): from the model's first RadixAttention layer
-        (its heads and logit soft cap) and the full KV pool (``kv_dtype``: the pool's dtype
-        before the pool exists); None for a model without one."""
+        (its heads and logit soft cap), whether its attention has sinks, and the full KV
+        pool (``kv_dtype``: the pool's dtype before the pool exists); None for a model
+        without one."""
         from sglang.srt.layers.radix_attention import RadixAttention
 
-        from sgl_vericache.sglang.attention import logit_cap
+        from sgl_vericache.sglang.attention import has_attention_sinks, logit_cap
         from sgl_vericache.spec.warm_up import HeadLayout
 
         layer = next((m for m in self.model_runner.model.modules() if isinstance(m, RadixAttention)), None)
@@ -142,7 +143,8 @@ class WorkerSeam:
         if kv_dtype is None:
             kv_dtype = self.model_runner.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype
         return HeadLayout(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, kv_dtype,
-                          self.model_runner.model_config.dtype, logit_cap(layer) or 0.0)
+                          self.model_runner.model_config.dtype, logit_cap(layer) or 0.0,
+                          has_attention_sinks(self.model_runner.model))
 
     def full_kv_bytes_per_token(self) -> int:
         """Bytes of full KV per token (every layer's keys and values); 0 if the pool has no
@@ -181,6 +183,7 @@ class VeriCacheWorker(NGRAMWorker):
         self.cuda_graphs = not getattr(server_args, "disable_cuda_graph", True)
         check_cuda_graphs(self.cuda_graphs, self.device)
         check_kv_cache_dtype(self.model_runner.kv_cache_dtype)
+        attention.check_attention(self.model_runner.model, self.model_runner.model_config, self.device)
         check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1))
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
         runtime = self.runtime

@@ -30,6 +30,23 @@ _ROW_ALIGN = 64  # buffer rows are allocated in multiples of this, so small grow
 _GROW_ROOM = 8  # a grown buffer has 1/_GROW_ROOM of its rows spare (see _grow)
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SDPA with GQA (q [B, H_q, L_q, D]; k, v [B, H_kv, L, D]; mask broadcastable to
+    [B, H_q, L_q, L], True where seen, or None) and, with ``sinks`` [H_q] (a layer's
+    attention sinks: gpt-oss, Granite-SWA), one more term exp(sink) in each query head's
+    softmax denominator, as the target's decode adds it."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) * scale  # [B, H_q, L_q, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
+
+
 @dataclass
 class _RequestEntry:
     compressor: KVCompressor
@@ -212,12 +229,13 @@ class CompressedKVStore:
         k_new: torch.Tensor,  # [B, H_kv, D] provisional KV of the tokens being drafted from
         v_new: torch.Tensor,
         scale: float,
+        sinks: Optional[torch.Tensor] = None,  # [H_q] the layer's attention sinks (gpt-oss), or None
     ) -> torch.Tensor:  # [B, H_q, D]
         """One draft step of one layer: each request's query reads its compressed entry and
         the round's draft tokens so far (its own included, so no row is empty). Computed in
         fp32 when the entries are lower precision."""
         if self._kernel_round is not None:
-            return self._kernel_round.attend(layer_id, q, k_new, v_new, scale)
+            return self._kernel_round.attend(layer_id, q, k_new, v_new, scale, sinks)
         rnd = self._round
         assert rnd is not None, "attend() outside a draft round (call begin_round first)"
         step = rnd.step[layer_id]
@@ -230,11 +248,11 @@ class CompressedKVStore:
         mask = None if rnd.valid is None else rnd.valid[..., :end]
         if rnd.query_aware:
             mask = self._selection_mask(layer_id, q, end, mask)
-        out = F.scaled_dot_product_attention(
+        out = attention(
             q.float()[:, :, None, :],  # [B, H_q, 1, D]
             k_buf[:, :, :end].float(),  # [B, H_kv, end, D]
             v_buf[:, :, :end].float(),
-            attn_mask=mask, scale=scale, enable_gqa=True,
+            mask, scale, sinks,
         )  # [B, H_q, 1, D]
         return out[:, :, 0].to(q.dtype)
 
@@ -245,13 +263,14 @@ class CompressedKVStore:
         k_new: torch.Tensor,  # [S, H_kv, D] their provisional KV
         v_new: torch.Tensor,
         scale: float,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:  # [S, H_q, D]
         """S draft steps of one layer at once, for a round of one request whose next S
         input tokens are known (teacher forcing: a prompt's tokens past its compressed
         entry). Token i reads the entry and the round's tokens up to itself, exactly as S
         calls of ``attend`` would; not for compressors that select keys per query."""
         if self._kernel_round is not None:
-            return self._kernel_round.attend_tokens(layer_id, q, k_new, v_new, scale)
+            return self._kernel_round.attend_tokens(layer_id, q, k_new, v_new, scale, sinks)
         rnd = self._round
         assert rnd is not None, "attend_tokens() outside a draft round (call begin_round first)"
         assert len(rnd.entries) == 1 and not rnd.query_aware, "attend_tokens() is for one request, no per-step selection"
@@ -265,11 +284,11 @@ class CompressedKVStore:
         v_buf[0, :, start:end] = v_new.transpose(0, 1)
         cols = torch.arange(end, device=q.device)
         mask = cols[None, :] <= (start + torch.arange(n, device=q.device))[:, None]  # [S, end]
-        out = F.scaled_dot_product_attention(
+        out = attention(
             q.float().transpose(0, 1)[None],  # [1, H_q, S, D]
             k_buf[:, :, :end].float(),  # [1, H_kv, end, D]
             v_buf[:, :, :end].float(),
-            attn_mask=mask[None, None], scale=scale, enable_gqa=True,
+            mask[None, None], scale, sinks,
         )  # [1, H_q, S, D]
         return out[0].transpose(0, 1).to(q.dtype)
 

@@ -12,9 +12,9 @@ compressor options, never on the lengths a round sees (the kernels do not specia
 them; test/kernel_checks.py's warm-up cases compare Triton's own cache keys).
 
 ``warm_verify`` does the same for the verify kernel (kernels/verify.py), whose variants
-depend on the head layout, dtypes, whether the model soft-caps its attention scores and how
-many query rows a program holds: one launch per size that verify blocks of 1 ..
-draft_len + 1 tokens pick.
+depend on the head layout, dtypes, whether the model soft-caps its attention scores (or has
+attention sinks: then every split merge adds them) and how many query rows a program
+holds: one launch per size that verify blocks of 1 .. draft_len + 1 tokens pick.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ class HeadLayout:
     q_dtype: torch.dtype  # the draft passes' queries (the model's dtype)
     logit_cap: float = 0.0  # the attention scores' soft cap (Gemma 2, Grok); 0: none. Only the
     # verify kernel reads it (a capped model's verify launches its capped variant)
+    sinks: bool = False  # the model's attention layers have attention sinks (gpt-oss, Granite-SWA):
+    # every split merge, verify's and the drafts', launches its variant that adds them
+
+    def sink_values(self, device) -> Optional[torch.Tensor]:
+        """Stand-in sinks [H_q] for a warm-up launch (their values do not shape a variant)."""
+        return torch.zeros(self.num_q_heads, device=device) if self.sinks else None
 
     def __post_init__(self):
         if self.num_kv_heads < 1 or self.num_q_heads % self.num_kv_heads or self.head_dim < 1:
@@ -76,7 +82,7 @@ def warm_up(compressors: Sequence[KVCompressor], layout: HeadLayout, device: tor
         _warm_compressor(comp, layout, device, gen, draft_kernels, lengths)
     if windows:
         _warm_window(layout, device, gen, lengths)
-    ops.warm_merges(layout.num_q_heads, layout.head_dim, layout.q_dtype, device)
+    ops.warm_merges(layout.num_q_heads, layout.head_dim, layout.q_dtype, device, sinks=layout.sinks)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
@@ -95,7 +101,7 @@ def _warm_compressor(comp: KVCompressor, layout: HeadLayout, device, gen, draft_
     rids = list(range(len(lengths)))
     for rid, ((k, v), n) in enumerate(zip(kv, lengths)):
         store.sync(rid, n, lambda _, a, b, k=k, v=v: (k[a:b], v[a:b]), queries=queries)
-    scale = layout.head_dim ** -0.5
+    scale, sinks = layout.head_dim ** -0.5, layout.sink_values(device)
     try:
         for batch in ([rids[0]], rids):  # a lone entry, then several read together
             store.begin_round(batch, 2)
@@ -103,13 +109,13 @@ def _warm_compressor(comp: KVCompressor, layout: HeadLayout, device, gen, draft_
                 q = _randn(gen, (len(batch), layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
                 k_new, v_new = (_randn(gen, (len(batch), layout.num_kv_heads, layout.head_dim), layout.kv_dtype,
                                        device) for _ in range(2))
-                store.attend(0, q, k_new, v_new, scale)
+                store.attend(0, q, k_new, v_new, scale, sinks)
         if not selects_per_step(comp):  # a prompt's tokens past its entry, drafted at once
             store.begin_round([rids[0]], 3)
             q = _randn(gen, (3, layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
             k_new, v_new = (_randn(gen, (3, layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device)
                             for _ in range(2))
-            store.attend_tokens(0, q, k_new, v_new, scale)
+            store.attend_tokens(0, q, k_new, v_new, scale, sinks)
     finally:
         store.clear()
 
@@ -128,7 +134,7 @@ def _warm_window(layout: HeadLayout, device, gen, lengths) -> None:
         q = _randn(gen, (len(lengths), layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
         k_new, v_new = (_randn(gen, (len(lengths), layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device)
                         for _ in range(2))
-        draft.attend(0, q, k_new, v_new, layout.head_dim ** -0.5)
+        draft.attend(0, q, k_new, v_new, layout.head_dim ** -0.5, layout.sink_values(device))
     draft.end_round()
 
 
@@ -136,8 +142,8 @@ def warm_verify(layout: HeadLayout, tokens: int, device: torch.device) -> float:
     """Launch the verify kernel once for every query-rows size (its compile-time QP) a
     verify block of 1 .. ``tokens`` tokens picks, under a verify mask as VERICACHE's
     rounds pass one, over a small pool in SGLang's layout and dtypes (int32 token table,
-    int64 lengths and rows), soft-capped as the layout's model caps; then the split merge at
-    every split count. Seconds taken."""
+    int64 lengths and rows), soft-capped as the layout's model caps and with its attention
+    sinks if it has them; then the split merge at every split count. Seconds taken."""
     from sgl_vericache.kernels import ops, verify
 
     device = torch.device(device)
@@ -156,8 +162,8 @@ def warm_verify(layout: HeadLayout, tokens: int, device: torch.device) -> float:
         q = _randn(gen, (1, t, layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
         mask = torch.tril(torch.ones(1, t, t, dtype=torch.bool, device=device))
         verify.verify_attention(q, k, v, table, rows, prefix, layout.head_dim ** -0.5, mask=mask, longest=32 + t,
-                                softcap=layout.logit_cap or None)
-    ops.warm_merges(layout.num_q_heads, ops._pow2(layout.head_dim), layout.q_dtype, device)
+                                softcap=layout.logit_cap or None, sinks=layout.sink_values(device))
+    ops.warm_merges(layout.num_q_heads, ops._pow2(layout.head_dim), layout.q_dtype, device, sinks=layout.sinks)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0

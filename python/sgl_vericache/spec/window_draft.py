@@ -26,9 +26,10 @@ from __future__ import annotations
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from sgl_vericache.kernels import draft_head_dim
+
+from .drafter import attention
 
 KVBuffers = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -68,11 +69,11 @@ class WindowedDraft:
         self._round = None
 
     def attend(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         window = self.windows.get(layer_id)
         if window is None or self._round is None:
-            return self.store.attend(layer_id, q, k_new, v_new, scale)
-        return self._round.attend(layer_id, window, self.kv_buffers(layer_id), q, k_new, v_new, scale)
+            return self.store.attend(layer_id, q, k_new, v_new, scale, sinks)
+        return self._round.attend(layer_id, window, self.kv_buffers(layer_id), q, k_new, v_new, scale, sinks)
 
 
 class _WindowRound:
@@ -109,8 +110,9 @@ class _WindowRound:
         self.k_extra: dict[int, torch.Tensor] = {}  # layer -> [B, steps, H_kv, D] provisional KV
         self.v_extra: dict[int, torch.Tensor] = {}
 
-    def attend(self, layer_id, window, pools, q, k_new, v_new, scale):
-        """One step of every row: q [B, H_q, D] at positions verified + step."""
+    def attend(self, layer_id, window, pools, q, k_new, v_new, scale, sinks=None):
+        """One step of every row: q [B, H_q, D] at positions verified + step (``sinks``: the
+        layer's attention sinks [H_q], or None)."""
         step = self.step.get(layer_id, 0)
         assert step < self.steps and q.shape[0] == self.rows, (step, self.steps, q.shape)
         self.step[layer_id] = step + 1
@@ -120,7 +122,7 @@ class _WindowRound:
         self.k_extra[layer_id][:, step] = k_new
         self.v_extra[layer_id][:, step] = v_new
         if self.kernels and step <= window and draft_head_dim(k_new.shape[-1]):
-            return self._kernel_attend(layer_id, window, pools, q, scale, step)
+            return self._kernel_attend(layer_id, window, pools, q, scale, step, sinks)
         masked = self._masks.get((window, step))
         if masked is None:
             first = max(0, self.index.shape[1] - max(window - step, 0))  # older columns no row sees
@@ -132,9 +134,8 @@ class _WindowRound:
         k_pool, v_pool = pools
         k = torch.cat([k_pool[index], self.k_extra[layer_id][:, : step + 1]], dim=1)  # [B, C + step + 1, H_kv, D]
         v = torch.cat([v_pool[index], self.v_extra[layer_id][:, : step + 1]], dim=1)
-        out = F.scaled_dot_product_attention(
-            q.float()[:, :, None, :], k.float().transpose(1, 2), v.float().transpose(1, 2),
-            attn_mask=visible, scale=scale, enable_gqa=True)  # [B, H_q, 1, D]
+        out = attention(q.float()[:, :, None, :], k.float().transpose(1, 2), v.float().transpose(1, 2), visible,
+                        scale, sinks)  # [B, H_q, 1, D]
         return out[:, :, 0].to(q.dtype)
 
     def _pool_visible(self, window: int, step: int) -> torch.Tensor:
@@ -142,7 +143,7 @@ class _WindowRound:
         verified + step - window .. on; none before the request's first)."""
         return (self.positions >= 0) & (self.positions >= (self.lens + step - window)[:, None])
 
-    def _kernel_attend(self, layer_id, window, pools, q, scale, step):
+    def _kernel_attend(self, layer_id, window, pools, q, scale, step, sinks=None):
         """The same attention on the draft decode kernel, reading the pool in place through
         each row's visible slots (every provisional token is visible: ``step <= window``)."""
         from sgl_vericache.kernels import ops
@@ -159,4 +160,4 @@ class _WindowRound:
                                                     paged_pool(k_pool, v_pool, indices, counts).rows())
         indices, counts, rows = table
         return ops.decode_attention(paged_pool(k_pool, v_pool, indices, counts), q, scale, rows,
-                                    self.k_extra[layer_id], self.v_extra[layer_id], ext_add=step + 1)
+                                    self.k_extra[layer_id], self.v_extra[layer_id], ext_add=step + 1, sinks=sinks)
