@@ -37,6 +37,17 @@ def test_the_launcher_turns_cuda_graphs_off_with_vericache_on():
     assert "--disable-cuda-graph" not in apply_vericache_flags(VeriCacheConfig(enable=False), ["--model-path", "m"])
 
 
+def test_the_launcher_keeps_window_layers_kv_in_the_full_pool():
+    """gpt-oss, Granite-SWA, MiMo-V2, Llama 4, Gemma 4 get SGLang's hybrid sliding-window pool
+    by default, which verify cannot read (check_kv_pool refuses it once the model is loaded):
+    the launcher asks for one pool up front, once, and leaves speculation-off servers alone."""
+    argv = apply_vericache_flags(VeriCacheConfig(), ["--model-path", "m"])
+    assert argv.count("--disable-hybrid-swa-memory") == 1
+    assert apply_vericache_flags(VeriCacheConfig(), ["--disable-hybrid-swa-memory"]).count(
+        "--disable-hybrid-swa-memory") == 1
+    assert "--disable-hybrid-swa-memory" not in apply_vericache_flags(VeriCacheConfig(enable=False), ["--model-path", "m"])
+
+
 def test_a_vericache_worker_refuses_cuda_graphs_on_cuda():
     with _raises(ValueError, "VERICACHE needs --disable-cuda-graph"):
         check_cuda_graphs(True, "cuda")

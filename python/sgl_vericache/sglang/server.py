@@ -37,6 +37,8 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
         extra = _parking_flags(argv)
     if "--disable-cuda-graph" not in argv:
         extra.append("--disable-cuda-graph")  # see check_cuda_graphs
+    if "--disable-hybrid-swa-memory" not in argv:
+        extra.append("--disable-hybrid-swa-memory")  # see check_kv_pool (no effect on models without windows)
     return argv + extra + [
         "--speculative-algorithm", SPEC_ALGORITHM,
         "--speculative-num-draft-tokens", str(vc.draft_len + 1),
@@ -90,7 +92,9 @@ def check_kv_pool(pool) -> None:
     the full pool. A hybrid sliding-window pool (SGLang's SWAKVPool, for models with
     sliding-window layers unless --disable-hybrid-swa-memory) keeps those layers' KV in a
     pool of its own, at other slots: verify would read other tokens' KV and its outputs
-    would differ from decoding's. Refused when the worker starts."""
+    would differ from decoding's. The launcher passes --disable-hybrid-swa-memory (as
+    SGLang itself does for Gemma 2 / 3), so its window layers keep their KV in the full pool;
+    an engine built otherwise is refused when the worker starts."""
     if getattr(pool, "swa_kv_pool", None) is not None:
         raise ValueError(f"--speculative-algorithm VERICACHE does not read a hybrid sliding-window KV pool "
                          f"({type(pool).__name__}: sliding-window layers' KV at slots of their own); pass "
