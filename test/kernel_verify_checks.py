@@ -181,8 +181,8 @@ def check_verify_matches_sglang_decode(device, window: int | None = None) -> flo
                                   req_to_token_pool=SimpleNamespace(req_to_token=table), skip_rows=(),
                                   deterministic=deterministic, kernel=kernel, soft_caps=False)
         got = attention.verify_attention(backend, q, layer, batch, sinks)
-        worst = max(worst, _close(got, decode.reshape(bs * tokens, hq * d), torch.float32,
-                                  f"verify with sinks (kernel {kernel}, deterministic {deterministic}) vs SGLang decode"))
+        label = f"verify with sinks (kernel {kernel}, deterministic {deterministic}) vs SGLang decode"
+        worst = max(worst, _close(got, decode.reshape(bs * tokens, hq * d), torch.float32, label))
     return worst
 
 

@@ -16,7 +16,7 @@ in the drafts too, it needs the 5 rounds of a perfect draft.
 
 from __future__ import annotations
 
-import shutil
+from engines import greedy_pair, save_tiny_model, tiny_prompts
 
 WINDOW, PROMPTS, NEW = 16, (70, 79), 40
 
@@ -36,33 +36,8 @@ def _tiny_granite_swa(dest, tokenizer_dir, sinks=True):
             p.normal_(std=0.12)
             if name.endswith("sinks"):
                 p.normal_(mean=3.0, std=1.0) if sinks else p.fill_(-60.0)  # exp(-60): no share at all
-    model.save_pretrained(dest)
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-            shutil.copy(f, dest / f.name)
+    save_tiny_model(model, dest, tokenizer_dir)
     return model
-
-
-def _prompts():
-    return [[(i * 37 + 11 * b) % 40000 + 100 for i in range(n)] for b, n in enumerate(PROMPTS)]
-
-
-def _generate(model_dir, spec: bool):
-    from sgl_vericache.config import VeriCacheConfig
-
-    from engines import cpu_engine
-
-    # Granite-SWA gets SGLang's hybrid sliding-window pool by default, which VERICACHE refuses
-    engine = cpu_engine(model_dir, VeriCacheConfig(compressor="streamingllm", draft_len=8, adaptive=False)
-                        if spec else None, disable_hybrid_swa_memory=True)
-    try:
-        params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-        full = {**params, "custom_params": {"vericache_compressor": "full"}} if spec else params
-        outs = engine.generate(input_ids=_prompts(), sampling_params=[params, full])
-        state = engine.get_server_info()["internal_states"][0]
-        return [o["output_ids"] for o in outs], [o["meta_info"].get("spec_verify_ct", 0) for o in outs], state
-    finally:
-        engine.shutdown()
 
 
 def test_greedy_ids_equal_speculation_off_with_attention_sinks(default_model_path, tmp_path):
@@ -70,18 +45,20 @@ def test_greedy_ids_equal_speculation_off_with_attention_sinks(default_model_pat
 
     model_dir = tmp_path / "granite-swa-tiny"
     model = _tiny_granite_swa(model_dir, default_model_path)
-    ids = torch.tensor([_prompts()[0]])
+    ids = torch.tensor([tiny_prompts(PROMPTS)[0]])
     hf = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, PROMPTS[0]:].tolist()
     # the sinks matter for these prompts: transformers' own greedy decode changes without them
     plain = _tiny_granite_swa(tmp_path / "no-sinks", default_model_path, sinks=False)
     assert plain.generate(ids, max_new_tokens=NEW, do_sample=False)[0, PROMPTS[0]:].tolist() != hf
 
-    ref, _, _ = _generate(model_dir, spec=False)
+    # Granite-SWA gets SGLang's hybrid sliding-window pool by default, which VERICACHE refuses (the
+    # launcher passes this flag; an Engine built directly must)
+    ref, _, _ = greedy_pair(model_dir, False, tiny_prompts(PROMPTS), NEW, disable_hybrid_swa_memory=True)
     assert len(set(ref[0])) > 3, ref  # not one repeated token
     # SGLang's CPU engine with sink attention decodes as transformers does (fp32 both; the
     # first tokens, before summation order may tip a near-tie)
     assert ref[0][:12] == hf[:12], (ref[0][:12], hf[:12])
-    ours, rounds, state = _generate(model_dir, spec=True)
+    ours, rounds, state = greedy_pair(model_dir, True, tiny_prompts(PROMPTS), NEW, disable_hybrid_swa_memory=True)
     assert ours == ref, [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(ours, ref)]
     assert all(0 < r < NEW for r in rounds), rounds  # it speculated
     # drafts over every token with the target's sinks and window are the target's tokens:

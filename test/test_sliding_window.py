@@ -16,7 +16,8 @@ perfect draft (30 when the window layer drafted over the whole context).
 from __future__ import annotations
 
 import json
-import shutil
+
+from engines import greedy_pair, save_tiny_model, tiny_prompts
 
 WINDOW, PROMPTS, NEW = 16, (70, 79), 40
 
@@ -34,34 +35,8 @@ def _tiny_gemma3(dest, tokenizer_dir, window=WINDOW):
     with torch.no_grad():  # wide enough that outputs vary (the default init repeats one token)
         for p in model.parameters():
             p.normal_(std=0.05)
-    model.save_pretrained(dest)
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-            shutil.copy(f, dest / f.name)
+    save_tiny_model(model, dest, tokenizer_dir)
     return model
-
-
-def _prompts():
-    return [[(i * 37 + 11 * b) % 40000 + 100 for i in range(n)] for b, n in enumerate(PROMPTS)]
-
-
-def _generate(model_dir, spec: bool):
-    from sgl_vericache.config import VeriCacheConfig
-
-    from engines import cpu_engine
-
-    engine = cpu_engine(model_dir, VeriCacheConfig(compressor="streamingllm", draft_len=8, adaptive=False)
-                        if spec else None)
-    try:
-        params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-        # the second request drafts over every token (the `full` compressor): only the window
-        # layer's draft attention can make its drafts differ from the target's own tokens
-        full = {**params, "custom_params": {"vericache_compressor": "full"}} if spec else params
-        outs = engine.generate(input_ids=_prompts(), sampling_params=[params, full])
-        state = engine.get_server_info()["internal_states"][0]
-        return [o["output_ids"] for o in outs], [o["meta_info"].get("spec_verify_ct", 0) for o in outs], state
-    finally:
-        engine.shutdown()
 
 
 def test_greedy_ids_equal_speculation_off_past_the_window(default_model_path, tmp_path):
@@ -70,15 +45,15 @@ def test_greedy_ids_equal_speculation_off_past_the_window(default_model_path, tm
     model_dir = tmp_path / "gemma3-tiny"
     model = _tiny_gemma3(model_dir, default_model_path)
     # the window matters for these prompts: transformers' own greedy decode changes without it
-    ids = torch.tensor([_prompts()[0]])
+    ids = torch.tensor([tiny_prompts(PROMPTS)[0]])
     windowed = model.generate(ids, max_new_tokens=12, do_sample=False)[0, PROMPTS[0]:].tolist()
     wide = _tiny_gemma3(tmp_path / "wide", default_model_path, window=4096)
     assert wide.generate(ids, max_new_tokens=12, do_sample=False)[0, PROMPTS[0]:].tolist() != windowed
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["Gemma3ForCausalLM"] and config["sliding_window"] == WINDOW
 
-    ref, _, _ = _generate(model_dir, spec=False)
-    ours, rounds, state = _generate(model_dir, spec=True)
+    ref, _, _ = greedy_pair(model_dir, False, tiny_prompts(PROMPTS), NEW)
+    ours, rounds, state = greedy_pair(model_dir, True, tiny_prompts(PROMPTS), NEW)
     assert len(set(ref[0])) > 3, ref  # not one repeated token
     assert ours == ref, [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(ours, ref)]
     assert all(0 < r < NEW for r in rounds), rounds  # it speculated
