@@ -116,7 +116,7 @@ def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...
     """sglang/attention.py's verify_attention with its kernel on (what CUDA runs) against
     the same call on its torch path, from the same forward batch, chain mask, deferred rows
     and (a layer's ``sliding_window_size``) window; with a ``logit_cap``, as a CUDA backend
-    (``soft_caps``) whose decode caps the scores; with ``sinks``, a layer's attention sinks."""
+    whose decode caps the scores; with ``sinks``, a layer's attention sinks."""
     k_buffer, v_buffer, table, rows, prefix = _pool(shape, tokens, device, seed)
     bs, hq, d = len(shape.lengths), shape.kv_heads * shape.group, shape.head_dim
     q = torch.randn(bs * tokens, hq * d, generator=_gen(seed + 7)).to(shape.dtype).to(device)
@@ -129,7 +129,7 @@ def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...
     def backend(kernel: bool):
         return SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k_buffer, v_buffer),
                                req_to_token_pool=SimpleNamespace(req_to_token=table), skip_rows=frozenset(skip),
-                               deterministic=False, kernel=kernel, soft_caps=bool(logit_cap))
+                               deterministic=False, kernel=kernel)
 
     sink = _sinks(hq, seed, device) if sinks else None
     on = backend(True)
@@ -179,7 +179,7 @@ def check_verify_matches_sglang_decode(device, window: int | None = None) -> flo
     for kernel, deterministic in ((False, False), (False, True), (True, False)):
         backend = SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k_buffer, v_buffer),
                                   req_to_token_pool=SimpleNamespace(req_to_token=table), skip_rows=(),
-                                  deterministic=deterministic, kernel=kernel, soft_caps=False)
+                                  deterministic=deterministic, kernel=kernel)
         got = attention.verify_attention(backend, q, layer, batch, sinks)
         label = f"verify with sinks (kernel {kernel}, deterministic {deterministic}) vs SGLang decode"
         worst = max(worst, _close(got, decode.reshape(bs * tokens, hq * d), torch.float32, label))

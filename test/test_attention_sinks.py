@@ -5,7 +5,7 @@ VERICACHE equal speculation off.
 The model is a tiny random-weight Granite-SWA (2 layers: one sliding-window layer of 16
 positions, one full; sinks on both; the default model's tokenizer), built with transformers
 in the test's temporary directory. SGLang's CPU attention (torch_native) takes no sinks:
-sglang/attention.py gives it ``cpu.attention.sink_attention``, and the speculation-off
+sglang/attention.py gives it ``cpu.attention.explicit_attention``, and the speculation-off
 engine's greedy ids are checked against transformers' own first. Before VeriCache's verify
 took the sinks (its backend dropped them), its logits were not decode's on any GPU backend.
 

@@ -55,16 +55,16 @@ def _decode_rows(k, v, table, rows, q, window):
     return out.reshape(len(PREFIXES) * BLOCK, HQ * D)
 
 
-def _verify(k, v, table, rows, q, window, deterministic, logit_cap=0.0):
+def _verify(k, v, table, rows, q, window, deterministic, logit_cap=0.0, sinks=None):
     backend = SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k, v), skip_rows=(),
                               req_to_token_pool=SimpleNamespace(req_to_token=table), deterministic=deterministic,
-                              kernel=False, soft_caps=False)
+                              kernel=False)
     layer = SimpleNamespace(tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D, layer_id=0, scaling=SCALE,
                             sliding_window_size=-1 if window is None else window, is_cross_attention=False,
                             logit_cap=logit_cap)
     batch = SimpleNamespace(batch_size=len(PREFIXES), seq_lens=torch.tensor(PREFIXES), req_pool_indices=rows,
                             spec_info=None)
-    return verify_attention(backend, q, layer, batch)
+    return verify_attention(backend, q, layer, batch, sinks)
 
 
 @pytest.mark.parametrize("window", [None, 12, 7, 2, 0], ids=lambda w: f"window={w}")
@@ -87,28 +87,75 @@ def test_a_window_changes_what_verify_sees():
     assert (full - windowed).abs().max() > 0.05
 
 
-def test_a_logit_cap_is_applied_where_the_devices_decode_applies_it():
-    """SGLang's CUDA backends soft-cap a layer's scores by its logit_cap (Gemma 2, Grok);
-    torch_native, the CPU engine's decode, ignores it, and so does verify on CPU (equal to
-    that decode with a cap of 1 set). On CUDA the verify backend caps (the kernel and its
-    torch fallback: kernel_checks' soft-cap cases), except in deterministic mode, which
-    mirrors torch_native."""
-    from sgl_vericache.sglang.attention import make_verify_backend
+def _explicit_decode_rows(k, v, table, rows, q, window, sinks=None, cap=None):
+    """The CPU engine's decode of each block token at its position for a layer with sinks or
+    a soft cap: cpu.attention.explicit_attention, one token at a time."""
+    from sgl_vericache.cpu.attention import explicit_attention
+
+    q = q.view(len(PREFIXES), BLOCK, HQ, D)
+    out = torch.empty_like(q)
+    for b, n in enumerate(PREFIXES):
+        for j in range(BLOCK):
+            explicit_attention(q[b, j : j + 1], out[b, j : j + 1], k, v, table, rows[b : b + 1], torch.tensor([n + j + 1]), [1],
+                               SCALE, window, sinks, cap)
+    return out.reshape(len(PREFIXES) * BLOCK, HQ * D)
+
+
+@pytest.mark.parametrize("window", [None, 7], ids=lambda w: f"window={w}")
+def test_a_logit_cap_is_applied_as_decode_applies_it(window):
+    """A soft-capped layer (Gemma 2, Grok: scores cap * tanh(score / cap)) is capped by
+    SGLang's CUDA backends and, as the plugin gives it, by the CPU engine's torch_native
+    (which by itself ignored the cap and computed another model's attention). Verify caps
+    alike on every device: deterministic mode bit-equal to that decode (with sinks too),
+    the default path within fp32 rounding; the kernel is held to the torch path by
+    kernel_checks' soft-cap cases."""
+    k, v, table, rows, q = _setup()
+    sinks = torch.linspace(-1.0, 2.0, HQ)
+    for cap, sink in ((1.0, None), (1.0, sinks)):
+        decode = _explicit_decode_rows(k, v, table, rows, q, window, sink, cap)
+        assert (decode - _decode_rows(k, v, table, rows, q, window)).abs().max() > 0.05  # the cap matters here
+        exact = _verify(k, v, table, rows, q, window, True, logit_cap=cap, sinks=sink)
+        assert torch.equal(exact, decode), (exact - decode).abs().max()
+        torch.testing.assert_close(_verify(k, v, table, rows, q, window, False, logit_cap=cap, sinks=sink), decode,
+                                   atol=2e-6, rtol=2e-6)
+
+
+def test_the_cpu_engine_decodes_capped_and_sink_layers_explicitly():
+    """torch_native's decode, as the plugin installs it, sends a layer with a soft cap or
+    attention sinks to explicit_attention, and any other layer to SGLang's own code."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from sgl_vericache.sglang.attention import install_cpu_extend_attention
     from sgl_vericache.sglang.runtime import Runtime
 
-    k, v, table, rows, q = _setup()
-    decode = _decode_rows(k, v, table, rows, q, None)
-    for deterministic in (True, False):
-        got = _verify(k, v, table, rows, q, None, deterministic, logit_cap=1.0)
-        torch.testing.assert_close(got, decode, atol=2e-6, rtol=2e-6)
+    install_cpu_extend_attention(Runtime())
+    k, v, table, rows, q = _setup(4)
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    backend.token_to_kv_pool, backend.req_to_token_pool = _kv_pool(k, v), SimpleNamespace(req_to_token=table)
+    backend.swa_out_cache_loc = None
+    sinks = torch.linspace(-1.0, 2.0, HQ)
+    n = PREFIXES[0]
+    batch = SimpleNamespace(batch_size=1, req_pool_indices=rows[:1], seq_lens=torch.tensor([n]), encoder_lens=None,
+                            out_cache_loc=None, forward_mode=SimpleNamespace(is_decode=lambda: True,
+                                                                             is_idle=lambda: False))
+    q1 = q.view(len(PREFIXES), BLOCK, HQ * D)[0, :1]
+    for cap, sink in ((0.0, None), (1.0, None), (0.0, sinks), (1.0, sinks)):
+        layer = SimpleNamespace(tp_q_head_num=HQ, tp_k_head_num=HKV, qk_head_dim=D, v_head_dim=D, layer_id=0,
+                                scaling=SCALE, sliding_window_size=-1, is_cross_attention=False, logit_cap=cap,
+                                attn_type=AttentionType.DECODER)
+        got = backend.forward_decode(q1, None, None, layer, batch, save_kv_cache=False,
+                                     **({} if sink is None else {"sinks": sink}))
+        want = torch.empty(1, HQ, D)
+        if cap or sink is not None:
+            from sgl_vericache.cpu.attention import explicit_attention
 
-    def backend(device, deterministic):
-        runner = SimpleNamespace(attn_backend=object(), req_to_token_pool=None, token_to_kv_pool=None, device=device)
-        return make_verify_backend(runner, Runtime(), deterministic)
-
-    assert not backend("cpu", False).soft_caps and not backend("cpu", False).kernel
-    assert backend("cuda", False).soft_caps and not backend("cuda", True).soft_caps
-    assert not backend("cuda", True).kernel  # deterministic: the torch path, as on CPU
+            explicit_attention(q1.view(1, HQ, D), want, k, v, table, rows[:1], torch.tensor([n]), [1], SCALE, None,
+                               sink, cap or None)
+        else:
+            backend._run_sdpa_forward_decode(q1.view(1, HQ, D), want, k, v, table, rows[:1], torch.tensor([n]),
+                                             scaling=SCALE, enable_gqa=True)
+        assert torch.equal(got.view(1, HQ, D), want), (cap, sink is not None)
 
 
 def test_attention_sinks_take_their_share_of_each_softmax():
@@ -135,7 +182,7 @@ def test_attention_sinks_take_their_share_of_each_softmax():
         for deterministic in (True, False):
             backend = SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k, v),
                                       skip_rows=(), req_to_token_pool=SimpleNamespace(req_to_token=table),
-                                      deterministic=deterministic, kernel=False, soft_caps=False)
+                                      deterministic=deterministic, kernel=False)
             layer = SimpleNamespace(tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D, layer_id=0, scaling=SCALE,
                                     sliding_window_size=-1 if window is None else window, is_cross_attention=False,
                                     logit_cap=0.0)

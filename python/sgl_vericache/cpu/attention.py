@@ -69,10 +69,10 @@ def extend_attention(
     return output
 
 
-SINK_QUERY_BLOCK = 512  # query rows per score matrix in sink_attention (bounds it to 512 x keys x H_q)
+EXPLICIT_QUERY_BLOCK = 512  # query rows per score matrix in explicit_attention (bounds it to 512 x keys x H_q)
 
 
-def sink_attention(
+def explicit_attention(
     query: torch.Tensor,  # [num_tokens, H_q, D] the batch's new tokens (a decode: one a request)
     output: torch.Tensor,  # [num_tokens, H_q, Dv], written in place
     k_cache: torch.Tensor,  # [slots, H_kv, D]
@@ -81,16 +81,19 @@ def sink_attention(
     req_pool_indices: torch.Tensor,  # [bs]
     seq_lens: torch.Tensor,  # [bs] every position, the new tokens' included
     new_lens: list[int],  # per request: its new tokens (the last ones of its positions)
-    sinks: torch.Tensor,  # [H_q] the layer's attention sinks
     scaling: float,
     window: Optional[int] = None,  # a sliding-window layer's: position p sees p - window .. p
+    sinks: Optional[torch.Tensor] = None,  # [H_q] the layer's attention sinks
+    cap: Optional[float] = None,  # the layer's logit soft cap
 ) -> torch.Tensor:
-    """Causal attention with attention sinks (gpt-oss, Granite-SWA, MiMo-V2), which SGLang's
-    ``torch_native`` backend does not take: each query head's softmax gets one more term,
-    exp(sink), in its denominator, as SGLang's CUDA kernels add it. Computed in fp32, the
-    new tokens' rows only, SINK_QUERY_BLOCK rows at a time."""
+    """Causal attention written out, for what SGLang's ``torch_native`` backend does not
+    compute: attention sinks (gpt-oss, Granite-SWA, MiMo-V2: each query head's softmax gets
+    one more term, exp(sink), in its denominator) and a logit soft cap (Gemma 2, Grok:
+    scores cap * tanh(score / cap)), as SGLang's CUDA kernels apply them. fp32, the new
+    tokens' rows only, EXPLICIT_QUERY_BLOCK rows at a time. Deterministic verify calls it
+    for one row at a time, exactly as a decode step does."""
     group = query.shape[1] // k_cache.shape[1]
-    sink = sinks.float()[:, None, None]  # [H_q, 1, 1]
+    sink = None if sinks is None else sinks.float()[:, None, None]  # [H_q, 1, 1]
     start = 0
     for row, total, new in zip(req_pool_indices.tolist(), seq_lens.tolist(), new_lens):
         if new == 0:
@@ -99,8 +102,8 @@ def sink_attention(
         slots = req_to_token[row, :total]
         keys = k_cache[slots].float().movedim(0, 1).repeat_interleave(group, 0)  # [H_q, total, D]
         values = v_cache[slots].float().movedim(0, 1).repeat_interleave(group, 0)
-        for b0 in range(0, new, SINK_QUERY_BLOCK):
-            b1 = min(new, b0 + SINK_QUERY_BLOCK)
+        for b0 in range(0, new, EXPLICIT_QUERY_BLOCK):
+            b1 = min(new, b0 + EXPLICIT_QUERY_BLOCK)
             q = query[start + b0 : start + b1].float().movedim(0, 1)  # [H_q, rows, D]
             end = prefix + b1  # the block's last query sees keys [0, end)
             key_pos = torch.arange(end, device=q.device)
@@ -108,8 +111,14 @@ def sink_attention(
             visible = key_pos[None, :] <= query_pos[:, None]
             if window is not None:
                 visible &= key_pos[None, :] >= query_pos[:, None] - window
-            scores = (q @ keys[:, :end].transpose(1, 2) * scaling).masked_fill(~visible, float("-inf"))
-            probs = torch.softmax(torch.cat([scores, sink.expand(-1, b1 - b0, 1)], -1), -1)[..., :-1]
+            scores = q @ keys[:, :end].transpose(1, 2) * scaling
+            if cap is not None:
+                scores = cap * torch.tanh(scores / cap)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if sink is None:
+                probs = torch.softmax(scores, -1)
+            else:
+                probs = torch.softmax(torch.cat([scores, sink.expand(-1, b1 - b0, 1)], -1), -1)[..., :-1]
             output[start + b0 : start + b1] = (probs @ values[:, :end]).movedim(1, 0).to(output.dtype)
         start += new
     return output

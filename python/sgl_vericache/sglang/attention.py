@@ -79,9 +79,6 @@ def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = Fa
             self.kernel_batch = None  # (forward batch, what its layers' verify kernel launches share)
             self.runtime = runtime  # its parking: verify waits for parked KV per layer
             self.kernel = verify_kernel_available(model_runner.device) and not deterministic
-            # SGLang's CUDA attention backends soft-cap scores by a layer's logit_cap (Gemma 2,
-            # Grok); torch_native, the CPU engine's, does not: verify does as decode does
-            self.soft_caps = torch.device(model_runner.device).type == "cuda" and not deterministic
 
         def __getattr__(self, name):
             return getattr(self.inner, name)
@@ -145,7 +142,7 @@ def verify_attention(backend, q, layer, forward_batch, sinks=None):
     rows = forward_batch.req_pool_indices.tolist()
     tree = verify_tree_mask(forward_batch, bs, n, q.device)  # [bs, n, n]
     window = sliding_window(layer)
-    cap = logit_cap(layer) if backend.soft_caps else None
+    cap = logit_cap(layer)  # SGLang's CUDA backends cap, and torch_native as the plugin gives it
     out = q.new_empty((bs, n, hq, dv))
     for b in range(bs):
         if b in backend.skip_rows:  # its full KV stays parked; its logits are not used
@@ -156,7 +153,7 @@ def verify_attention(backend, q, layer, forward_batch, sinks=None):
         keys, values = k_cache[slots], v_cache[slots]  # [prefix + n, H_kv, D]
         if backend.deterministic:
             out[b] = decode_shaped_rows(q[b], keys, values, prefix, layer.scaling, hq != keys.shape[1], window,
-                                        sinks)
+                                        sinks, cap)
             continue
         visible = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=q.device), tree[b]], dim=1)
         if window is not None:  # token j (position prefix + j) sees positions prefix + j - window .. on
@@ -194,7 +191,7 @@ def verify_on_kernel(backend, q, layer, forward_batch, sinks=None):
     out = kv.verify_attention(q.reshape(bs, n, hq, d), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
                               forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling, live=live,
                               mask=mask, longest=longest, window=sliding_window(layer),
-                              softcap=logit_cap(layer) if backend.soft_caps else None, sinks=sinks)
+                              softcap=logit_cap(layer), sinks=sinks)
     return out.reshape(bs * n, hq * dv)
 
 
@@ -308,13 +305,23 @@ def explicit_attention(q, keys, values, visible, scale, cap=None, sinks=None):
     return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ values
 
 
-def decode_shaped_rows(q, keys, values, prefix, scale, gqa, window=None, sinks=None):
+def decode_shaped_rows(q, keys, values, prefix, scale, gqa, window=None, sinks=None, cap=None):
     """Deterministic mode: verify row j computed exactly as SGLang's torch_native decode
     computes a one-token step at that position (same call, shapes, strides and, on a
     sliding-window layer, the same window mask), so its output is bit-equal to decode's.
     Valid for a linear chain (row j sees the prefix and rows 0..j). q: [n, H_q, D];
-    keys/values: [prefix + n, H_kv, D]. With attention sinks (which torch_native does not
-    take) each row is ``explicit_attention`` of that row alone, as batch-invariant."""
+    keys/values: [prefix + n, H_kv, D]. A layer with attention sinks or a soft cap decodes
+    by ``cpu.attention.explicit_attention`` (``install_cpu_extend_attention``): each row is
+    that function's one-token step at its position."""
+    if sinks is not None or cap is not None:
+        from sgl_vericache.cpu.attention import explicit_attention as decode_step
+
+        out = q.new_empty((q.shape[0], q.shape[1], values.shape[-1]))
+        table = torch.arange(keys.shape[0], device=q.device)[None]
+        for j in range(q.shape[0]):
+            decode_step(q[j : j + 1], out[j : j + 1], keys, values, table, torch.zeros(1, dtype=torch.int64),
+                        torch.tensor([prefix + j + 1]), [1], scale, window, sinks, cap)
+        return out
     rows = []
     for j in range(q.shape[0]):
         end = prefix + j + 1
@@ -322,12 +329,6 @@ def decode_shaped_rows(q, keys, values, prefix, scale, gqa, window=None, sinks=N
         if window is not None:
             positions = torch.arange(end, device=q.device).unsqueeze(0)
             mask = (positions <= end - 1) & (positions >= end - 1 - window)  # [1, end]
-        if sinks is not None:
-            visible = torch.ones(1, end, dtype=torch.bool, device=q.device) if mask is None else mask
-            o = explicit_attention(q[j : j + 1].movedim(0, 1), keys[:end].movedim(0, 1), values[:end].movedim(0, 1),
-                                   visible, scale, sinks=sinks)  # [H_q, 1, Dv]
-            rows.append(o.movedim(1, 0).to(q.dtype))
-            continue
         o = F.scaled_dot_product_attention(
             q[j : j + 1].movedim(0, 1).unsqueeze(0),  # [1, H_q, 1, D]
             keys[:end].movedim(0, 1).unsqueeze(0),
@@ -365,8 +366,9 @@ def install_cpu_extend_attention(runtime: Runtime) -> None:
     (``cpu.attention.extend_attention``) instead of a causal attention over prefix + new
     rows of which the prefix rows are thrown away. Every engine that loads the plugin gets
     it, speculation on or off. Encoder, cross-attention and sliding-window layers keep
-    SGLang's code. And its extends and decodes take a layer's attention sinks, which
-    SGLang's CUDA backends apply and torch_native refuses (``cpu_sink_forward``)."""
+    SGLang's code. And its extends and decodes take a layer's attention sinks and apply its
+    logit soft cap, as SGLang's CUDA backends do and torch_native does not (it refuses the
+    sinks and ignores the cap: ``cpu_explicit_forward``)."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     from sgl_vericache.cpu.attention import extend_attention
@@ -388,50 +390,51 @@ def install_cpu_extend_attention(runtime: Runtime) -> None:
 
     patch(TorchNativeAttnBackend, "_run_sdpa_forward_extend", runtime, make)
 
-    def make_sink_extend(original):
+    def make_explicit_extend(original):
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
-            if sinks is None or kwargs:
+            if (sinks is None and logit_cap(layer) is None) or kwargs or layer.is_cross_attention:
                 return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-            return cpu_sink_forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks,
-                                    forward_batch.extend_seq_lens.tolist())
+            return cpu_explicit_forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks,
+                                        forward_batch.extend_seq_lens.tolist())
 
         return forward_extend
 
-    def make_sink_decode(original):
+    def make_explicit_decode(original):
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
-            if sinks is None or kwargs:
+            if (sinks is None and logit_cap(layer) is None) or kwargs or layer.is_cross_attention:
                 return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-            return cpu_sink_forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks,
-                                    [1] * forward_batch.batch_size)
+            return cpu_explicit_forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks,
+                                        [1] * forward_batch.batch_size)
 
         return forward_decode
 
     # models with attention sinks (gpt-oss, Granite-SWA, MiMo-V2) pass them to every attention
-    # call; torch_native takes no such argument (a TypeError at the first forward)
-    patch(TorchNativeAttnBackend, "forward_extend", runtime, make_sink_extend)
-    patch(TorchNativeAttnBackend, "forward_decode", runtime, make_sink_decode)
+    # call, which torch_native takes no argument for (a TypeError at the first forward); a
+    # soft-capped layer's (Gemma 2, Grok) cap it ignores, computing another model's attention
+    patch(TorchNativeAttnBackend, "forward_extend", runtime, make_explicit_extend)
+    patch(TorchNativeAttnBackend, "forward_decode", runtime, make_explicit_decode)
 
 
-def cpu_sink_forward(backend, q, k, v, layer, forward_batch, save_kv_cache, sinks, new_lens):
-    """torch_native's extend / decode for a layer with attention sinks: the KV written as
-    torch_native writes it, then ``cpu.attention.sink_attention`` over each request's
-    positions (its sliding window, if the layer has one)."""
+def cpu_explicit_forward(backend, q, k, v, layer, forward_batch, save_kv_cache, sinks, new_lens):
+    """torch_native's extend / decode for a layer with attention sinks or a logit soft cap:
+    the KV written as torch_native writes it, then ``cpu.attention.explicit_attention`` over
+    each request's positions (its sliding window, if the layer has one)."""
     from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-    from sgl_vericache.cpu.attention import sink_attention
+    from sgl_vericache.cpu.attention import explicit_attention
 
-    if layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY:
-        raise NotImplementedError("attention sinks on a cross-attention or encoder layer: the CPU engine computes "
+    if layer.attn_type == AttentionType.ENCODER_ONLY:
+        raise NotImplementedError("attention sinks or a soft cap on an encoder layer: the CPU engine computes "
                                   "them for causal decoder layers only")
     if save_kv_cache and k is not None and v is not None:
         backend.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc,
                                                                  backend.swa_out_cache_loc), k, v)
     hq = layer.tp_q_head_num
     out = q.new_empty((q.numel() // (hq * layer.qk_head_dim), hq * layer.v_head_dim))
-    sink_attention(q.reshape(-1, hq, layer.qk_head_dim), out.view(-1, hq, layer.v_head_dim),
-                   backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                   backend.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                   backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                   new_lens, sinks, layer.scaling, sliding_window(layer))
+    explicit_attention(q.reshape(-1, hq, layer.qk_head_dim), out.view(-1, hq, layer.v_head_dim),
+                       backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                       backend.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                       backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                       new_lens, layer.scaling, sliding_window(layer), sinks, logit_cap(layer))
     return out
