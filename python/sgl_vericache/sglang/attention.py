@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from sgl_vericache.kernels import verify_kernel_available
 from sgl_vericache.sglang.runtime import Runtime, patch
+from sgl_vericache.spec.drafter import attention
 from sgl_vericache.spec.round import MAX_CAPTURED_QUERIES
 
 logger = logging.getLogger(__name__)
@@ -159,14 +160,8 @@ def verify_attention(backend, q, layer, forward_batch, sinks=None):
         if window is not None:  # token j (position prefix + j) sees positions prefix + j - window .. on
             positions = torch.arange(prefix + n, device=q.device)
             visible &= positions[None, :] >= positions[prefix:, None] - window
-        if cap is not None or sinks is not None:
-            o = explicit_attention(q[b].transpose(0, 1).float(), keys.transpose(0, 1).float(),
-                                   values.transpose(0, 1).float(), visible, layer.scaling, cap, sinks)
-        else:
-            o = F.scaled_dot_product_attention(
-                q[b].transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
-                attn_mask=visible, scale=layer.scaling, enable_gqa=hq != keys.shape[1],
-            )  # [H_q, n, Dv]
+        o = attention(q[b].transpose(0, 1).float()[None], keys.transpose(0, 1).float()[None],
+                      values.transpose(0, 1).float()[None], visible, layer.scaling, sinks, cap)[0]  # [H_q, n, Dv]
         out[b] = o.transpose(0, 1).to(out.dtype)
     return out.reshape(bs * n, hq * dv)
 
@@ -286,23 +281,6 @@ def logit_cap(layer):
     """The layer's attention logit soft cap (scores -> cap * tanh(score / cap)), or None."""
     cap = getattr(layer, "logit_cap", None)
     return float(cap) if cap else None
-
-
-def explicit_attention(q, keys, values, visible, scale, cap=None, sinks=None):
-    """Attention written out, for what SDPA has no argument for: soft-capped scores (``cap``:
-    cap * tanh(score / cap)) and attention sinks (``sinks`` [H_q]: one more term, exp(sink),
-    in each query head's softmax denominator). q [H_q, n, D]; keys / values [H_kv, L, D];
-    visible [n, L]."""
-    group = q.shape[0] // keys.shape[0]
-    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-    scores = q @ keys.transpose(1, 2) * scale  # [H_q, n, L]
-    if cap is not None:
-        scores = cap * torch.tanh(scores / cap)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is None:
-        return torch.softmax(scores, -1) @ values
-    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
-    return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ values
 
 
 def decode_shaped_rows(q, keys, values, prefix, scale, gqa, window=None, sinks=None, cap=None):
