@@ -87,18 +87,44 @@ def check_kv_cache_dtype(dtype) -> None:
                          "checkpoint) or bfloat16")
 
 
-def check_kv_pool(pool) -> None:
+def check_kv_pool(pool, req_to_token_pool=None) -> None:
     """Verify and the compressors read every layer's KV through the token table's slots of
-    the full pool. A hybrid sliding-window pool (SGLang's SWAKVPool, for models with
-    sliding-window layers unless --disable-hybrid-swa-memory) keeps those layers' KV in a
-    pool of its own, at other slots: verify would read other tokens' KV and its outputs
-    would differ from decoding's. The launcher passes --disable-hybrid-swa-memory (as
-    SGLang itself does for Gemma 2 / 3), so its window layers keep their KV in the full pool;
-    an engine built otherwise is refused when the worker starts."""
+    the full pool, as keys and values of one shape, [slots, H_kv, D]. Refused when the
+    worker starts, naming what the model has instead (its first request would otherwise
+    fail inside a round and take the scheduler with it, or verify would read other KV):
+
+    - a hybrid sliding-window pool (SGLang's SWAKVPool, for models with sliding-window layers
+      unless --disable-hybrid-swa-memory) keeps those layers' KV in a pool of its own, at
+      other slots. The launcher passes --disable-hybrid-swa-memory (as SGLang itself does for
+      Gemma 2 / 3), so its window layers keep their KV in the full pool;
+    - linear-attention or state-space layers (a ``mamba_pool``: Qwen3-Next, Nemotron-H,
+      Falcon-H1...) keep a recurrent state per request that a draft pass would advance and
+      verify cannot roll back;
+    - multi-head latent attention (MLA: DeepSeek V2 / V3 / R1, Kimi K2...) keeps one latent
+      vector per token whose value is a slice of the key;
+    - any other pool whose keys and values are not [slots, H_kv, D] alike."""
     if getattr(pool, "swa_kv_pool", None) is not None:
         raise ValueError(f"--speculative-algorithm VERICACHE does not read a hybrid sliding-window KV pool "
                          f"({type(pool).__name__}: sliding-window layers' KV at slots of their own); pass "
                          "--disable-hybrid-swa-memory")
+    if any(getattr(p, "mamba_pool", None) is not None for p in (pool, req_to_token_pool)):
+        raise ValueError("--speculative-algorithm VERICACHE cannot serve a model with linear-attention or "
+                         f"state-space layers ({type(pool).__name__} with a Mamba state pool): a draft pass would "
+                         "advance their recurrent state, which verify does not roll back; serve it with "
+                         "--no-vericache-enable")
+    if getattr(pool, "kv_lora_rank", None) is not None or getattr(pool, "use_mla", False):
+        raise ValueError("--speculative-algorithm VERICACHE does not draft or verify multi-head latent attention "
+                         f"(MLA, {type(pool).__name__}: one latent vector per token, the value a slice of the key; "
+                         "DeepSeek V2 / V3, Kimi K2): its compressors and verify read keys and values of one "
+                         "shape per head; serve it with --no-vericache-enable")
+    if not hasattr(pool, "get_key_buffer"):
+        return
+    layer = getattr(pool, "start_layer", 0) or 0
+    k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+    if k.dim() != 3 or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"--speculative-algorithm VERICACHE reads keys and values of one shape, [slots, H_kv, D]; "
+                         f"this model's KV pool ({type(pool).__name__}) holds keys {tuple(k.shape)} and values "
+                         f"{tuple(v.shape)}; serve it with --no-vericache-enable")
 
 
 def flag_value(argv: list[str], flag: str):

@@ -210,7 +210,7 @@ class VeriCacheWorker(NGRAMWorker):
         super().alloc_memory_pool(**kwargs)
         # SGLang builds this worker before the KV pool (Scheduler.init_model_worker): what
         # reads the pool runs from here on, not in __init__
-        check_kv_pool(self.model_runner.token_to_kv_pool)
+        check_kv_pool(self.model_runner.token_to_kv_pool, self.model_runner.req_to_token_pool)
         self.speculator.warm_up_kernels(compile_now=self.vc.warm_up_kernels)
         # NGRAM sizes its verify buffers for one fixed width; keep one set per width
         # so that a round verifies only as many tokens as its longest draft needs.
