@@ -264,3 +264,23 @@ def test_attention_verify_does_not_compute_is_refused_at_start_where_decode_appl
         with pytest.raises(ValueError, match=f"cannot verify this model exactly.*{said}.*--no-vericache-enable"):
             check_attention(model(**attrs), cfg, "cuda")
     assert unreproduced_attention(model(use_irope=True), config, "cuda") == []  # no chunk size: no chunking
+
+
+def test_layers_sharing_another_layers_kv_are_refused_at_start_on_every_device():
+    """Gemma 3n / Gemma 4's last layers attend over an earlier layer's KV (their attention
+    modules carry its layer id and pass no keys or values): a draft step would have none to
+    append. Refused on CPU and CUDA alike, naming the shared layer; distinct ids pass."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from sgl_vericache.sglang.attention import check_attention, shared_kv_layers
+
+    def model(ids):
+        return torch.nn.ModuleList([RadixAttention(4, 16, 0.25, 2, layer_id=i) for i in ids])
+
+    config = SimpleNamespace(attention_chunk_size=None)
+    assert shared_kv_layers(model([0, 1, 2])) == {}
+    check_attention(model([0, 1, 2]), config, "cpu")
+    assert shared_kv_layers(model([0, 1, 2, 1, 1, 2])) == {1: 3, 2: 2}
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match=r"another layer's KV.*layer 1 read by 3, 2 read by 2.*--no-vericache-enable"):
+            check_attention(model([0, 1, 2, 1, 1, 2]), config, device)

@@ -241,9 +241,30 @@ def unreproduced_attention(model, model_config, device) -> list:
     return found
 
 
+def shared_kv_layers(model) -> dict:
+    """Layer id -> how many of ``model``'s attention layers read that layer's KV, for ids
+    read by more than one: Gemma 3n and Gemma 4 end with layers that compute no keys or
+    values of their own (``k``, ``v`` None, ``save_kv_cache=False``) and attend over an
+    earlier layer's. Empty for every other model."""
+    from collections import Counter
+
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    counts = Counter(m.layer_id for m in model.modules() if isinstance(m, RadixAttention))
+    return {layer_id: n for layer_id, n in sorted(counts.items()) if n > 1}
+
+
 def check_attention(model, model_config, device) -> None:
     """Refuse at start a model whose decode attention verify would not reproduce (its outputs
-    would differ from speculation off), naming what."""
+    would differ from speculation off), naming what; and, on every device, one whose layers
+    share another layer's KV: a draft step gives each layer's attention its own new keys and
+    values (those layers pass none, and the first draft round would fail)."""
+    shared = shared_kv_layers(model)
+    if shared:
+        raise ValueError("--speculative-algorithm VERICACHE does not draft for attention layers that read another "
+                         "layer's KV (KV sharing, Gemma 3n / Gemma 4: layer "
+                         f"{', '.join(f'{i} read by {n}' for i, n in shared.items())}); serve it with "
+                         "--no-vericache-enable")
     found = unreproduced_attention(model, model_config, device)
     if found:
         raise ValueError("--speculative-algorithm VERICACHE cannot verify this model exactly: its attention "
