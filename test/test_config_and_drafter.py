@@ -363,6 +363,53 @@ def test_narrow_rows_of_a_verify_batch_keeps_each_rows_tokens():
     assert int(fb.num_token_non_padded) == 6
 
 
+def test_draft_passes_move_multimodal_rotary_positions_with_each_step(monkeypatch):
+    """Qwen2-VL / 2.5-VL / 3-VL and GLM-4.1V read positions from ``mrope_positions`` (3 rows:
+    temporal, height, width). A draft step at position p must put each row at p + the
+    request's delta (SGLang's ``mrope_position_delta``: how far an image moved its text
+    positions; 0 without one), for the round's rows and for one request's teacher-forced
+    tokens; before, the steps kept the batch's first positions (wrong drafts), a narrowed
+    round kept every row's, and a fetch-drafting row had none. The model runner is stood in
+    for by one that records what its forward reads."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor import forward_batch_info
+
+    from sgl_vericache.sglang.forward import DraftPasses, mrope_deltas
+    from sgl_vericache.sglang.runtime import Runtime
+
+    def mm(delta):
+        return SimpleNamespace(mrope_position_delta=None if delta is None else torch.tensor([[delta]]))
+
+    assert mrope_deltas([None, mm(-7), mm(None), mm(12)]) == [0, -7, 0, 12]
+    seen = []
+
+    def forward(fb):
+        seen.append(fb.mrope_positions.clone())
+        return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=torch.zeros(len(fb.positions), 5)))
+
+    runner = SimpleNamespace(device="cpu", model_config=SimpleNamespace(model_is_mrope=True), forward=forward,
+                             req_to_token_pool=None, token_to_kv_pool=None)
+    passes = DraftPasses(runner, Runtime(), None)
+    fb = passes.one_row(SimpleNamespace(multimodal_inputs=mm(-7)))
+    passes.place(fb, 20)
+    with passes.run(fb, store=object()) as step:
+        step([1, 2, 3], [20, 21, 22], tokens_of_one=True)
+        step([4], [23])
+    assert [m.tolist() for m in seen] == [[[13, 14, 15]] * 3, [[16]] * 3]
+
+    three = passes.one_row()  # a round of three requests, of which rows 0 and 2 draft
+    monkeypatch.setattr(forward_batch_info.ForwardBatch, "init_new", staticmethod(lambda *a, **k: three))
+    batch = SimpleNamespace(reqs=[0, 1, 2], multimodal_inputs=[None, mm(5), mm(-3)])
+    three.batch_size, three.seq_lens = 3, torch.tensor([4, 5, 6])
+    fb = passes.for_rows(batch, [0, 2])
+    seen.clear()
+    with passes.run(fb, store=object()) as step:
+        step([1, 2], [40, 50])
+    assert seen[0].tolist() == [[40, 47]] * 3
+    assert DraftPasses(SimpleNamespace(**{**vars(runner), "model_config": SimpleNamespace()}), Runtime(), None).mrope is False
+
+
 def test_draft_passes_turn_sglangs_fused_rotary_kv_write_off(monkeypatch):
     """On CUDA with a bfloat16 pool, Qwen3-MoE, gpt-oss and others write K/V inside their
     rotary embedding at the batch's write slots when ``enable_fused_set_kv_buffer`` says so.

@@ -31,6 +31,9 @@ class DraftPasses:
         self.runtime = runtime
         self.draft_weights = draft_weights  # DraftWeights, or None: the model's own
         self._backends = {}  # id(store) -> its draft attention backend
+        # multimodal rotary models (Qwen2-VL / 2.5-VL / 3-VL, GLM-4.1V...) read positions
+        # from ``mrope_positions``, which every draft step must move with ``positions``
+        self.mrope = bool(getattr(model_runner.model_config, "model_is_mrope", False))
 
     def for_rows(self, batch, keep: list):
         """A DECODE ForwardBatch of the ScheduleBatch ``batch``'s rows ``keep``."""
@@ -41,17 +44,25 @@ class DraftPasses:
         fb.out_cache_loc = None
         if len(keep) < len(batch.reqs):
             narrow_rows(fb, keep, len(batch.reqs))
+        if self.mrope:
+            deltas = mrope_deltas(batch.multimodal_inputs)
+            fb.vericache_mrope_deltas = torch.tensor([deltas[i] for i in keep], dtype=torch.int64,
+                                                     device=self.model_runner.device)
         return fb
 
-    def one_row(self):
-        """A DECODE ForwardBatch of one request, placed at position 0 (``place`` moves it)."""
+    def one_row(self, req=None):
+        """A DECODE ForwardBatch of one request (``req``: its multimodal positions), placed at
+        position 0 (``place`` moves it)."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
         one = torch.ones(1, dtype=torch.int64, device=self.model_runner.device)
-        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1, input_ids=one,
-                            req_pool_indices=one * 0, seq_lens=one, out_cache_loc=None, seq_lens_sum=1,
-                            positions=one * 0, seq_lens_cpu=torch.ones(1, dtype=torch.int64),
-                            capture_hidden_mode=CaptureHiddenMode.NULL)
+        fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1, input_ids=one,
+                          req_pool_indices=one * 0, seq_lens=one, out_cache_loc=None, seq_lens_sum=1,
+                          positions=one * 0, seq_lens_cpu=torch.ones(1, dtype=torch.int64),
+                          capture_hidden_mode=CaptureHiddenMode.NULL)
+        if self.mrope:
+            fb.vericache_mrope_deltas = one * mrope_deltas([getattr(req, "multimodal_inputs", None)])[0]
+        return fb
 
     @staticmethod
     def place(fb, n: int) -> None:
@@ -74,6 +85,8 @@ class DraftPasses:
         def forward(tokens, positions, tokens_of_one=False):
             fb.input_ids = torch.as_tensor(tokens, dtype=torch.int64, device=device)
             fb.positions = torch.as_tensor(positions, dtype=torch.int64, device=device)
+            if self.mrope:  # a row's delta: [rows] a step, or [1] for one request's tokens
+                fb.mrope_positions = (fb.positions + fb.vericache_mrope_deltas).unsqueeze(0).repeat(3, 1)
             backend.tokens_of_one = tokens_of_one  # rows are consecutive tokens of one request
             try:
                 logits = self.model_runner.forward(fb).logits_output.next_token_logits
@@ -89,6 +102,18 @@ class DraftPasses:
                 yield forward
         finally:
             rt.draft_weights, rt.drafting = None, False
+
+
+def mrope_deltas(mm_inputs) -> list[int]:
+    """Per request of a multimodal rotary (M-RoPE) model, how far its text positions run
+    ahead of its token count: a token after the prompt at position p has temporal, height
+    and width positions p + delta (0 for a request without images), as SGLang's decode
+    computes them."""
+    deltas = []
+    for mm in mm_inputs:
+        delta = getattr(mm, "mrope_position_delta", None) if mm is not None else None
+        deltas.append(0 if delta is None else int(torch.as_tensor(delta).reshape(-1)[0]))
+    return deltas
 
 
 def narrow_rows(fb, keep: list, bs: int, width: int = 1) -> None:

@@ -152,7 +152,7 @@ class FetchDrafter:
         if entry is None and fallback is None:
             return None
         w.stats.add("fetch_draft_requests", 1)
-        job = FetchJob(req, plan.compressor, tokens, wanted, w.seam.passes.one_row())
+        job = FetchJob(req, plan.compressor, tokens, wanted, w.seam.passes.one_row(req))
         if entry is None:
             job.place(n, w.seam.passes)
             self._seed(job, layers)
