@@ -42,7 +42,7 @@ def test_multi_head_latent_attention_is_refused():
 
 
 def test_values_narrower_than_keys_are_refused():
-    with pytest.raises(ValueError, match=r"keys \(17, 2, 8\) and values \(17, 2, 4\).*--no-vericache-enable"):
+    with pytest.raises(ValueError, match=r"at layer 0, keys \(17, 2, 8\) and values \(17, 2, 4\).*--no-vericache-enable"):
         check_kv_pool(mha_pool(head_dim=8, v_head_dim=4), token_table())
 
 

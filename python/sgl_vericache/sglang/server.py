@@ -119,12 +119,13 @@ def check_kv_pool(pool, req_to_token_pool=None) -> None:
                          "shape per head; serve it with --no-vericache-enable")
     if not hasattr(pool, "get_key_buffer"):
         return
-    layer = getattr(pool, "start_layer", 0) or 0
-    k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-    if k.dim() != 3 or tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"--speculative-algorithm VERICACHE reads keys and values of one shape, [slots, H_kv, D]; "
-                         f"this model's KV pool ({type(pool).__name__}) holds keys {tuple(k.shape)} and values "
-                         f"{tuple(v.shape)}; serve it with --no-vericache-enable")
+    start = getattr(pool, "start_layer", 0) or 0
+    for layer in range(start, start + getattr(pool, "layer_num", 1)):
+        k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+        if k.dim() != 3 or tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"--speculative-algorithm VERICACHE reads keys and values of one shape, [slots, H_kv, D]; "
+                             f"this model's KV pool ({type(pool).__name__}) holds, at layer {layer}, keys "
+                             f"{tuple(k.shape)} and values {tuple(v.shape)}; serve it with --no-vericache-enable")
 
 
 def flag_value(argv: list[str], flag: str):
