@@ -267,20 +267,30 @@ def test_attention_verify_does_not_compute_is_refused_at_start_where_decode_appl
 
 
 def test_layers_sharing_another_layers_kv_are_refused_at_start_on_every_device():
-    """Gemma 3n / Gemma 4's last layers attend over an earlier layer's KV (their attention
-    modules carry its layer id and pass no keys or values): a draft step would have none to
-    append. Refused on CPU and CUDA alike, naming the shared layer; distinct ids pass."""
+    """Gemma 3n / Gemma 4's last layers (``is_kv_shared_layer``) attend over an earlier
+    layer's KV: their attention modules carry its layer id and pass no keys or values, so a
+    draft step would have none to append. Refused on CPU and CUDA alike, naming them. An MLA
+    layer's two attention modules (prefill and decode forms) share one id and their own KV:
+    served as far as this check goes (a tiny DeepSeek-V2 was refused here before, with the
+    wrong reason; its pool is refused by ``check_kv_pool``)."""
     from sglang.srt.layers.radix_attention import RadixAttention
 
     from sgl_vericache.sglang.attention import check_attention, shared_kv_layers
 
-    def model(ids):
-        return torch.nn.ModuleList([RadixAttention(4, 16, 0.25, 2, layer_id=i) for i in ids])
+    class Attention(torch.nn.Module):  # the shape of Gemma 3n's attention module that matters here
+        def __init__(self, layer_id, reads):
+            super().__init__()
+            self.layer_id, self.is_kv_shared_layer = layer_id, reads != layer_id
+            self.kv_shared_layer_index = reads if reads != layer_id else None
+            self.attn = RadixAttention(4, 16, 0.25, 2, layer_id=reads)
 
     config = SimpleNamespace(attention_chunk_size=None)
-    assert shared_kv_layers(model([0, 1, 2])) == {}
-    check_attention(model([0, 1, 2]), config, "cpu")
-    assert shared_kv_layers(model([0, 1, 2, 1, 1, 2])) == {1: 3, 2: 2}
+    mla = torch.nn.ModuleList([RadixAttention(4, 16, 0.25, 1, layer_id=i // 2) for i in range(4)])
+    assert shared_kv_layers(mla) == []
+    check_attention(mla, config, "cuda")
+    gemma = torch.nn.ModuleList([Attention(i, min(i, 1)) for i in range(4)])  # layers 2 and 3 read layer 1's KV
+    assert shared_kv_layers(gemma) == [2, 3]
+    assert shared_kv_layers(torch.nn.ModuleList([Attention(i, i) for i in range(4)])) == []
     for device in ("cpu", "cuda"):
-        with pytest.raises(ValueError, match=r"another layer's KV.*layer 1 read by 3, 2 read by 2.*--no-vericache-enable"):
-            check_attention(model([0, 1, 2, 1, 1, 2]), config, device)
+        with pytest.raises(ValueError, match=r"another layer's KV.*layers \[2, 3\].*--no-vericache-enable"):
+            check_attention(gemma, config, device)

@@ -241,17 +241,14 @@ def unreproduced_attention(model, model_config, device) -> list:
     return found
 
 
-def shared_kv_layers(model) -> dict:
-    """Layer id -> how many of ``model``'s attention layers read that layer's KV, for ids
-    read by more than one: Gemma 3n and Gemma 4 end with layers that compute no keys or
-    values of their own (``k``, ``v`` None, ``save_kv_cache=False``) and attend over an
-    earlier layer's. Empty for every other model."""
-    from collections import Counter
-
-    from sglang.srt.layers.radix_attention import RadixAttention
-
-    counts = Counter(m.layer_id for m in model.modules() if isinstance(m, RadixAttention))
-    return {layer_id: n for layer_id, n in sorted(counts.items()) if n > 1}
+def shared_kv_layers(model) -> list:
+    """Layer ids of ``model``'s attention layers that read an earlier layer's KV instead of
+    their own: Gemma 3n and Gemma 4 end with layers (``is_kv_shared_layer``) that compute
+    no keys or values (``k``, ``v`` None, ``save_kv_cache=False``) and attend over the KV of
+    ``kv_shared_layer_index``. Empty for every other model (an MLA layer's two attention
+    modules, one per prefill and decode form, share one id and their own KV: not these)."""
+    return sorted({getattr(m, "layer_id", -1) for m in model.modules()
+                   if getattr(m, "is_kv_shared_layer", False) and getattr(m, "kv_shared_layer_index", None) is not None})
 
 
 def check_attention(model, model_config, device) -> None:
@@ -262,8 +259,7 @@ def check_attention(model, model_config, device) -> None:
     shared = shared_kv_layers(model)
     if shared:
         raise ValueError("--speculative-algorithm VERICACHE does not draft for attention layers that read another "
-                         "layer's KV (KV sharing, Gemma 3n / Gemma 4: layer "
-                         f"{', '.join(f'{i} read by {n}' for i, n in shared.items())}); serve it with "
+                         f"layer's KV (KV sharing, Gemma 3n / Gemma 4: layers {shared}); serve it with "
                          "--no-vericache-enable")
     found = unreproduced_attention(model, model_config, device)
     if found:
