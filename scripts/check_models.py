@@ -17,6 +17,7 @@ scheduler that fails takes its process group with it). Outcomes:
 
     python scripts/check_models.py                       # every architecture, ~2.5 min each
     python scripts/check_models.py --models qwen3,gemma2 --out /tmp/models.json
+    python scripts/check_models.py --update-doc --from-json   # docs/models.md's table from the JSON
 
 Writes JSON (``--out``, default benchmark/results/model_check.json).
 """
@@ -111,7 +112,7 @@ def run_one(name: str, workdir: Path) -> dict:
     try:
         off, _, _ = greedy_pair(dest, False, prompts, 24)
     except Exception as e:  # noqa: BLE001 - SGLang's CPU engine does not serve it
-        return {"outcome": "not on CPU", "why": f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"}
+        return {"outcome": "not on CPU", "why": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
     print(f"{name}: speculation off served", flush=True)
     on, rounds, _ = greedy_pair(dest, True, prompts, 24)
     return {"outcome": "equal" if on == off else "DIFFERS", "verify_rounds": rounds,
@@ -123,18 +124,45 @@ def last_error(text: str) -> str:
     return lines[-1][:400] if lines else text.strip().splitlines()[-1][:400] if text.strip() else ""
 
 
+DOC = ROOT / "docs" / "models.md"
+MARKERS = ("<!-- model-check:start -->", "<!-- model-check:end -->")
+
+
+def table(results: dict) -> str:
+    """The results as docs/models.md's table."""
+    rows = ["| architecture | transformers class | outcome | verify rounds | note |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        rounds = " / ".join(map(str, r.get("verify_rounds", []))) or "-"
+        note = r.get("why", "")
+        if "distinct_tokens_off" in r:
+            note = f"distinct tokens off: {' / '.join(map(str, r['distinct_tokens_off']))}"
+        rows.append(f"| {name} | `{ARCHITECTURES[name][1]}` | {r['outcome']} | {rounds} | {note.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def update_doc(results: dict) -> None:
+    text = DOC.read_text()
+    start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
+    DOC.write_text(text[:start] + "\n" + table(results) + "\n" + text[end:])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(ARCHITECTURES),
                         help=f"comma-separated, of: {', '.join(ARCHITECTURES)}")
     parser.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "model_check.json"))
     parser.add_argument("--timeout", type=int, default=900, help="seconds per architecture")
+    parser.add_argument("--update-doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(ROOT)}")
+    parser.add_argument("--from-json", action="store_true", help="with --update-doc: the table from --out, run nothing")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "test"))
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, Path(args.workdir))), flush=True)
+        return 0
+    if args.from_json:
+        update_doc(json.loads(Path(args.out).read_text())["results"])
         return 0
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in ARCHITECTURES]
@@ -168,6 +196,9 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"what": __doc__.split("\n\n")[0], "results": results}, indent=1) + "\n")
     print(f"wrote {args.out}")
+    if args.update_doc:
+        update_doc(results)
+        print(f"updated {DOC}")
     return 1 if any(r["outcome"] in ("DIFFERS", "FAILED") for r in results.values()) else 0
 
 
