@@ -363,6 +363,30 @@ def test_narrow_rows_of_a_verify_batch_keeps_each_rows_tokens():
     assert int(fb.num_token_non_padded) == 6
 
 
+def test_narrow_rows_takes_multimodal_rotary_positions_by_token():
+    """``mrope_positions`` is [3, tokens] (temporal, height, width): narrowing takes the kept
+    rows' tokens along its second dimension, and never reads its 3 as a row count (a batch
+    of 3 rows would otherwise have lost a positional axis)."""
+    import dataclasses
+
+    from sgl_vericache.sglang.forward import narrow_rows as _narrow_rows
+
+    @dataclasses.dataclass
+    class FB:
+        batch_size: int
+        seq_lens: torch.Tensor
+        seq_lens_cpu: torch.Tensor
+        seq_lens_sum: int
+        mrope_positions: torch.Tensor
+
+    for bs, width, keep in ((3, 1, [0, 2]), (4, 3, [1, 3]), (2, 1, [1])):
+        mrope = torch.arange(bs * width)[None, :] + torch.tensor([[0], [100], [200]])
+        fb = FB(bs, torch.arange(bs) + 3, torch.arange(bs) + 3, 0, mrope)
+        _narrow_rows(fb, keep, bs, width)
+        tokens = [r * width + j for r in keep for j in range(width)]
+        assert fb.mrope_positions.tolist() == [tokens, [t + 100 for t in tokens], [t + 200 for t in tokens]], (bs, width)
+
+
 def test_draft_passes_move_multimodal_rotary_positions_with_each_step(monkeypatch):
     """Qwen2-VL / 2.5-VL / 3-VL and GLM-4.1V read positions from ``mrope_positions`` (3 rows:
     temporal, height, width). A draft step at position p must put each row at p + the

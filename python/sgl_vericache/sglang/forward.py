@@ -120,7 +120,8 @@ def narrow_rows(fb, keep: list, bs: int, width: int = 1) -> None:
     """A decode (``width`` 1) or target-verify (``width`` tokens a row) ForwardBatch of ``bs``
     rows -> the rows ``keep``, in place: every per-row tensor and list (leading dimension
     ``bs``) and every per-token tensor (leading dimension ``bs * width``: input ids,
-    positions, KV write slots) is indexed, ``batch_size``, ``seq_lens_sum`` and the count of
+    positions, KV write slots; a multimodal rotary model's ``mrope_positions``, [3, tokens],
+    along its tokens) is indexed, ``batch_size``, ``seq_lens_sum`` and the count of
     real tokens follow. The draft passes narrow to the rows that verify (their attention
     reads only the compressed entries, row order: the store's round); the verify forward
     too (``install_narrowed_verify``)."""
@@ -128,7 +129,10 @@ def narrow_rows(fb, keep: list, bs: int, width: int = 1) -> None:
     tok = (idx[:, None] * width + torch.arange(width)).reshape(-1)
     for f in dataclasses.fields(fb):
         value = getattr(fb, f.name)
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == bs:
+        if f.name == "mrope_positions":  # [3, tokens]: by token, along its second dimension
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == bs * width:
+                fb.mrope_positions = value[:, tok.to(value.device)]
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == bs:
             setattr(fb, f.name, value[idx.to(value.device)])
         elif width > 1 and isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == bs * width:
             setattr(fb, f.name, value[tok.to(value.device)])
