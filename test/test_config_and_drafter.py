@@ -3,6 +3,7 @@ sgl_kernel CPU stand-in. No engine is started here."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -335,27 +336,27 @@ def test_narrow_rows_keeps_only_the_drafting_rows():
     assert fb.weights.shape == (2, 4) and fb.scalar.item() == 1.0
 
 
+@dataclasses.dataclass
+class _VerifyBatch:  # the shape of SGLang's ForwardBatch that narrowing a verify batch reads
+    batch_size: int
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    seq_lens_sum: int
+    input_ids: torch.Tensor = None
+    out_cache_loc: torch.Tensor = None
+    num_token_non_padded: torch.Tensor = None
+    mrope_positions: torch.Tensor = None
+
+
 def test_narrow_rows_of_a_verify_batch_keeps_each_rows_tokens():
     """The verify forward of a staggered round: per-row fields by row, per-token fields
     (``width`` tokens a row: ids, positions, write slots) by the kept rows' tokens, and the
     count of real tokens follows."""
-    import dataclasses
-
     from sgl_vericache.sglang.forward import narrow_rows as _narrow_rows
-
-    @dataclasses.dataclass
-    class FB:
-        batch_size: int
-        seq_lens: torch.Tensor
-        seq_lens_cpu: torch.Tensor
-        seq_lens_sum: int
-        input_ids: torch.Tensor
-        out_cache_loc: torch.Tensor
-        num_token_non_padded: torch.Tensor
 
     width = 3  # 4 rows x 3 tokens; row r's tokens are 10r, 10r+1, 10r+2
     ids = torch.tensor([10 * r + j for r in range(4) for j in range(width)])
-    fb = FB(4, torch.tensor([3, 4, 5, 6]), torch.tensor([3, 4, 5, 6]), 18, ids, ids + 100, torch.tensor(12))
+    fb = _VerifyBatch(4, torch.tensor([3, 4, 5, 6]), torch.tensor([3, 4, 5, 6]), 18, ids, ids + 100, torch.tensor(12))
     _narrow_rows(fb, [0, 2], 4, width)
     assert fb.batch_size == 2 and fb.seq_lens.tolist() == [3, 5] and fb.seq_lens_sum == 8
     assert fb.input_ids.tolist() == [0, 1, 2, 20, 21, 22]
@@ -367,21 +368,11 @@ def test_narrow_rows_takes_multimodal_rotary_positions_by_token():
     """``mrope_positions`` is [3, tokens] (temporal, height, width): narrowing takes the kept
     rows' tokens along its second dimension, and never reads its 3 as a row count (a batch
     of 3 rows would otherwise have lost a positional axis)."""
-    import dataclasses
-
     from sgl_vericache.sglang.forward import narrow_rows as _narrow_rows
-
-    @dataclasses.dataclass
-    class FB:
-        batch_size: int
-        seq_lens: torch.Tensor
-        seq_lens_cpu: torch.Tensor
-        seq_lens_sum: int
-        mrope_positions: torch.Tensor
 
     for bs, width, keep in ((3, 1, [0, 2]), (4, 3, [1, 3]), (2, 1, [1])):
         mrope = torch.arange(bs * width)[None, :] + torch.tensor([[0], [100], [200]])
-        fb = FB(bs, torch.arange(bs) + 3, torch.arange(bs) + 3, 0, mrope)
+        fb = _VerifyBatch(bs, torch.arange(bs) + 3, torch.arange(bs) + 3, 0, mrope_positions=mrope)
         _narrow_rows(fb, keep, bs, width)
         tokens = [r * width + j for r in keep for j in range(width)]
         assert fb.mrope_positions.tolist() == [tokens, [t + 100 for t in tokens], [t + 200 for t in tokens]], (bs, width)
