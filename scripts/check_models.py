@@ -17,7 +17,7 @@ scheduler that fails takes its process group with it). Outcomes:
 
     python scripts/check_models.py                       # every architecture, ~2.5 min each
     python scripts/check_models.py --models qwen3,gemma2 --out /tmp/models.json
-    python scripts/check_models.py --update-doc --from-json   # docs/models.md's table from the JSON
+    python scripts/check_models.py --from-json   # docs/models.md's table from the JSON
 
 Writes JSON (``--out``, default benchmark/results/model_check.json).
 """
@@ -150,10 +150,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(ARCHITECTURES),
                         help=f"comma-separated, of: {', '.join(ARCHITECTURES)}")
-    parser.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "model_check.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "model_check.json"),
+                        help="the JSON written (default: %(default)s)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per architecture")
     parser.add_argument("--update-doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(ROOT)}")
-    parser.add_argument("--from-json", action="store_true", help="with --update-doc: the table from --out, run nothing")
+    parser.add_argument("--from-json", action="store_true", help="rewrite the doc's table from --out's JSON, running nothing")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
