@@ -104,7 +104,7 @@ def signature(fmt: int) -> dict:
              "kr_ptr": "*bf16", "vr_ptr": "*bf16", "ke_ptr": "*bf16", "ve_ptr": "*bf16", "idx_ptr": "*i32",
              "addr_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
              "lse_ptr": "*fp32",
-             "tick_ptr": "*i32", "qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32",
+             "tick_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32",
              "NUM_SPLITS": "i32"}
     if fmt == FMT_INT8:
         types["ks_ptr"] = types["vs_ptr"] = "*fp16"
@@ -116,7 +116,7 @@ def signature(fmt: int) -> dict:
 _QUEST_HEAD = {"q_ptr": "*bf16", "meta_ptr": "*i32", "k_ptr": "*bf16", "v_ptr": "*bf16", "sel_ptr": "*i32",
                "ke_ptr": "*bf16", "ve_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                "addr_ptr": "*i64"}
-_QUEST_TAIL = {"qk_scale": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32", "K_SEL": "i32"}
+_QUEST_TAIL = {"qk_scale": "fp32", "softcap": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32", "K_SEL": "i32"}
 _FUSED_ARGS = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "tick_ptr": "*i32"}  # the fused merge's outputs
 _SCORE_ARGS = {"q_ptr": "*bf16", "meta_ptr": "*i32", "pmin_ptr": "*bf16", "pmax_ptr": "*bf16", "addr_ptr": "*i64",
                "out_ptr": "*fp32", "H": "i32", "HQ": "i32", "HC": "i32", "P_MAX": "i32", "PAGE_SIZE": "i32"}
@@ -161,10 +161,12 @@ DEFAULTS = ["dense", "dense_fused", "kivi4_half_asm", "kivi2_half_asm", "int8_ha
             *QUEST_VARIANTS]
 DEFAULTS += [f"{name}_addr" for name in DEFAULTS if name != "dense_fused"] + ["int8_half_asm_q8", "kivi4_half_words"]
 DEFAULTS += list(VERIFY_VARIANTS) + list(MERGE_VARIANTS)
-# name suffixes: _q8 (int8 only: LaunchConfig.int8_query), _fused (LaunchConfig.fused), then
-# _addr (several entries read in place through their address table, packing.pack(in_place=True))
-# or _off64 (int64 offsets within an entry)
-SUFFIXES = ("_q8", "_fused", "_addr", "_off64")
+DEFAULTS += ["dense_softcap", "kivi4_half_asm_softcap", "quest_kv_softcap"]  # a soft-capped model's drafts
+# name suffixes: _softcap (the scores soft-capped: Gemma 2, Grok), _q8 (int8 only:
+# LaunchConfig.int8_query), _fused (LaunchConfig.fused), then _addr (several entries read in
+# place through their address table, packing.pack(in_place=True)) or _off64 (int64 offsets
+# within an entry)
+SUFFIXES = ("_softcap", "_q8", "_fused", "_addr", "_off64")
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, warps: int, stages: int, arch: int = 90):
@@ -182,8 +184,8 @@ def compile_kernel(fn, types: dict, constexprs: dict, warps: int, stages: int, a
 def compile_any(name: str, arch: int = 90):
     """(compiled kernel, warps, key tokens a main-loop iteration reads; 0: no such loop)."""
     base, flags = split_name(name)
-    if base in VERIFY_VARIANTS or base in MERGE_VARIANTS:
-        fn, types, constexprs, bn, warps, stages = {**VERIFY_VARIANTS, **MERGE_VARIANTS}[base]
+    if name in VERIFY_VARIANTS or name in MERGE_VARIANTS:  # whole names ("verify_softcap": no suffixes)
+        fn, types, constexprs, bn, warps, stages = {**VERIFY_VARIANTS, **MERGE_VARIANTS}[name]
         return compile_kernel(fn, types, constexprs, warps, stages, arch), warps, bn
     if base in QUEST_VARIANTS:
         fn, types, constexprs, bn, warps, stages = QUEST_VARIANTS[base]
@@ -191,10 +193,12 @@ def compile_any(name: str, arch: int = 90):
             constexprs = {**constexprs, "OFF32": "_off64" not in flags}
         if "ADDR" in fn.arg_names:
             constexprs = {**constexprs, "ADDR": "_addr" in flags}
+        if "SOFTCAP" in fn.arg_names:
+            constexprs = {**constexprs, "SOFTCAP": "_softcap" in flags}
         return compile_kernel(fn, types, constexprs, warps, stages, arch), warps, bn
     _, _, _, _, bn, warps, _ = VARIANTS[base]
     return compile_variant(base, arch=arch, fused="_fused" in flags, off32="_off64" not in flags,
-                           addr="_addr" in flags, int8_query="_q8" in flags), warps, bn
+                           addr="_addr" in flags, int8_query="_q8" in flags, softcap="_softcap" in flags), warps, bn
 
 
 def split_name(name: str) -> tuple[str, set]:
@@ -208,17 +212,17 @@ def split_name(name: str) -> tuple[str, set]:
 
 
 def compile_variant(name: str, group: int = 4, head_dim: int = 128, arch: int = 90, fused: bool = False,
-                    off32: bool = True, addr: bool = False, int8_query: bool = False):
+                    off32: bool = True, addr: bool = False, int8_query: bool = False, softcap: bool = False):
     """One launch variant of the decode kernel; off32: offsets within an entry in int32, as
     the drafter launches it (ops.offsets32), else the int64 addressing it replaces; addr:
     entries read in place through their address table; int8_query (int8): the keys' scores
-    from the query's int8 terms."""
+    from the query's int8 terms; softcap: the scores soft-capped."""
     fmt, bits, half, asm, bn, warps, stages = VARIANTS[name]
     constexprs = dict(GROUP=group, GP=16, D=head_dim, BN=bn, FMT=fmt, BITS=bits, QGROUP=32, CGROUP=32,
                       KMODE=1 if bn <= 32 else 2, HEAD_SCALE=False, INDEXED=False, ROUND=2, DOT=2,
                       FOLD=fmt in (FMT_INT8, FMT_FP8), UNPACK=0, HALF=half, Q_BF16=True, ASM=asm,
                       MROUND=1 if half else 2, MDOT=1 if half else 2, FUSED=fused, HAS_LSE=False,
-                      SP=16 if fused else 2, OFF32=off32, ADDR=addr, QK8=int8_query)
+                      SP=16 if fused else 2, OFF32=off32, ADDR=addr, QK8=int8_query, SOFTCAP=softcap)
     return compile_kernel(td._decode_split_kernel, signature(fmt), constexprs, warps, stages, arch)
 
 
@@ -270,7 +274,8 @@ def main() -> None:
     every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), *QUEST_VARIANTS,
              *VERIFY_VARIANTS, *MERGE_VARIANTS,
              *(f"{n}_off64" for n in decode),
-             *(f"{n}_addr" for n in [*decode, "quest_query", "page_scores_kv", "page_scores_query"])]
+             *(f"{n}_addr" for n in [*decode, "quest_query", "page_scores_kv", "page_scores_query"]),
+             *(f"{n}_softcap" for n in [*VARIANTS, "quest_kv", "quest_query"])]
     ap.add_argument("--only", nargs="*", choices=every, default=every)
     ap.add_argument("--defaults", action="store_true", help="only each kernel's default launch on a GPU")
     ap.add_argument("--arch", type=int, default=90, help="SM version (90: H100 / H200)")

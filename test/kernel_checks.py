@@ -59,10 +59,11 @@ def _entries(method, options, shape: Shape, device, seed=0):
 
 
 def check_method(method: str, options: dict, shape: Shape, config: ops.LaunchConfig, device,
-                 extras: int = 4, seed: int = 0, in_place: bool = True) -> float:
+                 extras: int = 4, seed: int = 0, in_place: bool = True, softcap: float | None = None) -> float:
     """A ragged batch, one query row per request; row r sees its first 1 + r % extras
     provisional tokens. Each row against its compressor's attend. The entries are read in
-    place (the drafter's way), or, ``in_place=False``, copied end to end."""
+    place (the drafter's way), or, ``in_place=False``, copied end to end. With ``softcap``,
+    a logit soft cap on both (which must move the outputs: else both could ignore it alike)."""
     comp, layers = _entries(method, options, shape, device, seed)
     rows_n, hq, d = len(layers), shape.kv_heads * shape.group, shape.head_dim
     q_dtype = shape.q_dtype or shape.dtype
@@ -74,21 +75,28 @@ def check_method(method: str, options: dict, shape: Shape, config: ops.LaunchCon
     assert (packed.addresses is not None) == (in_place and len(layers) > 1), "in place: an address table"
     rows = packed.rows(ext_base=ext_base)
     scale = 1 / (math.sqrt(d) * shape.q_gain)
-    out = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config)
+    out = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config, softcap=softcap)
     twin = _int8_query_twin if ops.int8_query_applies(config, packed, q_dtype) else comp.attend.__func__
-    ref = torch.cat([twin(comp, layers[r], q[r : r + 1], scale, k_ext[r, : ext_base[r] + 1],
-                          v_ext[r, : ext_base[r] + 1]) for r in range(rows_n)])
+
+    def reference(cap):
+        return torch.cat([twin(comp, layers[r], q[r : r + 1], scale, k_ext[r, : ext_base[r] + 1],
+                               v_ext[r, : ext_base[r] + 1], softcap=cap) for r in range(rows_n)])
+
+    ref = reference(softcap)
+    if softcap:
+        moved = float((reference(None).float() - ref.float()).abs().max())
+        assert moved > 0.05, f"{method}: the soft cap {softcap} moved the outputs by only {moved}"
     if config.fused:  # the merging programs reset their tickets: a second launch merges the same way
         _check_tickets_reset()
-        again = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config)
+        again = ops.decode_attention(packed, q, scale, rows, k_ext, v_ext, ext_add=1, config=config, softcap=softcap)
         assert torch.equal(again, out), f"{method}: a second fused launch differs from the first"
         _check_tickets_reset()
     return _close(out, ref, q_dtype, f"{method} {options} {shape}")
 
 
-def _int8_query_twin(comp, layer, q, scale, k_extra, v_extra) -> torch.Tensor:
+def _int8_query_twin(comp, layer, q, scale, k_extra, v_extra, softcap=None) -> torch.Tensor:
     """What an int8_query launch computes (ops.int8_query_attention), in float64."""
-    return ops.int8_query_attention(comp, layer, q, scale, k_extra, v_extra, dtype=torch.float64)
+    return ops.int8_query_attention(comp, layer, q, scale, k_extra, v_extra, dtype=torch.float64, softcap=softcap)
 
 
 def check_int8_query_discriminates(device, head_dim: int = 64) -> float:
@@ -259,13 +267,14 @@ def _label(method, options, shape: Shape, splits) -> str:
 
 
 def _method_case(method, options, shape: Shape, splits, family=None, interpret=True, in_place=True,
-                 **launch) -> Case:
+                 softcap=None, **launch) -> Case:
     cfg = ops.LaunchConfig(num_splits=splits, **{"block_n": 16, **launch})
     family = family or ("quantizers" if method in QUANTIZERS else "droppers")
     label = _label(method, options, shape, splits) + "".join(f" {k}={v}" for k, v in launch.items())
-    label += "" if in_place else " copied"
-    return Case(label, lambda dev, a=(method, options, shape, cfg): check_method(*a, dev, in_place=in_place),
-                family=family, interpret=interpret, tags=(method,))
+    label += ("" if in_place else " copied") + (f" softcap={softcap}" if softcap else "")
+    return Case(label, lambda dev, a=(method, options, shape, cfg): check_method(*a, dev, in_place=in_place,
+                                                                                 softcap=softcap),
+                family=family, interpret=interpret, tags=(method,) + (("softcap",) if softcap else ()))
 
 
 def _launch_variants() -> list[Case]:
@@ -292,6 +301,19 @@ def _launch_variants() -> list[Case]:
         ("quest", {"page_size": 8}, Shape((83, 30, 9)), 2),
     )]
     cases += _int8_query_cases()
+    # a logit soft cap (Gemma 2, Grok) on the scores of every path that computes them: KIVI
+    # dequantized, int8 folded in half products, fp8, dense rows, Quest per KV head and per
+    # query head, the fused merge, the int8 query terms
+    cases += [_method_case(*row, softcap=1.5, **launch) for row, launch in (
+        (("kivi4", KIVI, Shape((37, 70, 5)), 2), {}),
+        (("int8", {}, Shape((33, 81, 2), group=8, kv_heads=1, dtype=b16), 2), {}),
+        (("fp8", {"scale": "token"}, Shape((29, 66, 3), head_dim=128, dtype=f16), 1), {}),
+        (("streamingllm", {"min_budget": 8}, Shape((90, 23, 7)), 2), {}),
+        (("quest", {"page_size": 8}, Shape((83, 30, 9)), 2), {}),
+        (("quest", {"page_size": 8, "heads": "query"}, Shape((83, 30, 9)), 2), {}),
+        (("snapkv", {"window_size": 4, "min_budget": 8}, Shape((90, 41, 7), group=8, kv_heads=1), 4), {"fused": True}),
+        (("int8", {}, Shape((50, 17), head_dim=32), 1), {"int8_query": True}),
+    )]
     # how several entries are addressed: copied end to end (pack's default; the drafter reads
     # them in place), with int32 offsets from each entry's start and with int64 ones (also in
     # place): every format and Quest both ways
@@ -486,6 +508,13 @@ def all_cases() -> list[Case]:
         ("kivi4", "streamingllm", "quest"), dev, sinks=True), family="store", tags=("kivi4", "quest", "sinks")))
     cases.append(Case("sliding-window layers over the pool with attention sinks", lambda dev: check_window_rounds(
         dev, sinks=True), family="store", tags=("window", "sinks")))
+    cases.append(Case("store rounds int8+fp8+kivi2 with a soft cap", lambda dev: check_store_rounds(
+        ("int8", "fp8", "kivi2"), dev, softcap=1.0), family="store", tags=("int8", "fp8", "kivi2", "softcap")))
+    cases.append(Case("store rounds kivi4+streamingllm+quest with attention sinks and a soft cap",
+                      lambda dev: check_store_rounds(("kivi4", "streamingllm", "quest"), dev, sinks=True, softcap=1.0),
+                      family="store", tags=("kivi4", "quest", "sinks", "softcap")))
+    cases.append(Case("sliding-window layers over the pool with a soft cap", lambda dev: check_window_rounds(
+        dev, softcap=1.0), family="store", tags=("window", "softcap")))
     cases.append(Case("warm-up compiles what rounds launch: sliding-window layers", check_window_warm_up,
                       family="store", tags=("window", "warm")))
     cases.append(Case("store rounds kivi4+snapkv bf16", lambda dev: check_store_rounds(
@@ -496,6 +525,9 @@ def all_cases() -> list[Case]:
     cases.append(Case("warm-up compiles what rounds launch: kivi4+quest with attention sinks",
                       lambda dev: check_warm_up(("kivi4", "quest"), dev, sinks=True), family="store",
                       tags=("kivi4", "quest", "sinks", "warm")))
+    cases.append(Case("warm-up compiles what rounds launch: kivi4+streamingllm with a soft cap",
+                      lambda dev: check_warm_up(("kivi4", "streamingllm"), dev, softcap=30.0), family="store",
+                      tags=("kivi4", "streamingllm", "softcap", "warm")))
     big = Shape((4000, 1500, 777), kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16)
     for method, options in (("kivi4", {}), ("kivi2", {}), ("int8", {}), ("fp8", {}), ("snapkv", {}),
                             ("quest", {}), ("quest", {"heads": "query"})):

@@ -15,13 +15,14 @@ from sgl_vericache.mem_cache.compress import get_compressor
 from kernel_fixtures import KIVI, Shape, _close, _gen, _kv
 
 
-def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32, sinks: bool = False) -> float:
+def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32, sinks: bool = False,
+                       softcap: float | None = None) -> float:
     """CompressedKVStore on the kernels (draft_kernels=True, what CUDA gets by default) against
     the same store on its dense torch path: requests of different lengths and compressors
     drafted together over rounds that grow them, then a teacher-forced round. Requests of one
     method share its compressor, so the round reads their entries together (in place). With
-    ``sinks``, a layer's attention sinks (which must move the outputs: else both paths could
-    be ignoring them alike)."""
+    ``sinks``, a layer's attention sinks, and with ``softcap`` its logit soft cap (each must
+    move the outputs: else both paths could be ignoring it alike)."""
     shape = Shape((0,), kv_heads=2, group=3, dtype=dtype)
     from sgl_vericache.spec.drafter import CompressedKVStore
 
@@ -47,23 +48,24 @@ def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32, si
         outs = []
         for st in stores:
             st.begin_round(rids, 3)
-            outs.append(torch.stack([st.attend(layer, q[s], kn[s], vn[s], 0.125, sink) for s in range(3)
+            outs.append(torch.stack([st.attend(layer, q[s], kn[s], vn[s], 0.125, sink, softcap) for s in range(3)
                                      for layer in (0, 1)]))
         assert stores[0]._kernel_round is None and stores[1]._kernel_round is not None
         err = max(err, _close(outs[1], outs[0], dtype, f"store round {rnd} {methods}"))
-        if sinks:
-            stores[0].begin_round(rids, 3)
-            plain = torch.stack([stores[0].attend(layer, q[s], kn[s], vn[s], 0.125) for s in range(3)
-                                 for layer in (0, 1)])
-            assert (plain - outs[0]).abs().max() > 0.05, "the sinks did not change the drafts' attention"
+        for dropped, kwargs in (("sinks", {"softcap": softcap}), ("soft cap", {"sinks": sink})):
+            if (sinks if dropped == "sinks" else softcap):  # each must change the drafts' attention
+                stores[0].begin_round(rids, 3)
+                plain = torch.stack([stores[0].attend(layer, q[s], kn[s], vn[s], 0.125, **kwargs) for s in range(3)
+                                     for layer in (0, 1)])
+                assert (plain - outs[0]).abs().max() > 0.05, f"the {dropped} did not change the drafts' attention"
     if "quest" not in methods:  # teacher forcing one request (Quest selects per query: refused)
         outs = []
         for st in stores:
             st.begin_round([len(methods) - 1], 6)
             outs.append(torch.cat([st.attend_tokens(0, q[0, :1].expand(4, -1, -1) * torch.arange(1, 5, device=device)
                                                     [:, None, None].to(dtype), kn[0, :1].expand(4, -1, -1).contiguous(),
-                                                    vn[0, :1].expand(4, -1, -1).contiguous(), 0.125, sink),
-                                   st.attend(0, q[1, :1], kn[1, :1], vn[1, :1], 0.125, sink)]))
+                                                    vn[0, :1].expand(4, -1, -1).contiguous(), 0.125, sink, softcap),
+                                   st.attend(0, q[1, :1], kn[1, :1], vn[1, :1], 0.125, sink, softcap)]))
         err = max(err, _close(outs[1], outs[0], dtype, f"store teacher-forced {methods}"))
     assert stores[1].buffer_nbytes() > 0
     for st in stores:
@@ -147,18 +149,19 @@ def _round_methods(methods):
                               **(KIVI if m.startswith("kivi") else {})) for m in methods}
 
 
-def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False) -> float:
+def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False, softcap: float = 0.0) -> float:
     """spec.warm_up compiles every kernel variant that later draft rounds launch: rounds of
     other lengths, batch sizes, draft lengths, a teacher-forced one, requests sharing a
     compressor and mixing several, after the warm-up, launch no kernel whose Triton cache
     key the warm-up did not (and on CUDA, compile nothing new); ``sinks``: for a model with
-    attention sinks (its rounds pass them, as bf16 values the warm-up never saw)."""
+    attention sinks (its rounds pass them, as bf16 values the warm-up never saw); ``softcap``:
+    for a model whose attention soft-caps its scores at that cap."""
     from sgl_vericache.spec.drafter import CompressedKVStore
     from sgl_vericache.spec.warm_up import HeadLayout, warm_up
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = Shape((0,), kv_heads=2, group=3, dtype=dtype)
-    layout = HeadLayout(6, 2, 64, dtype, dtype, sinks=sinks)
+    layout = HeadLayout(6, 2, 64, dtype, dtype, logit_cap=softcap, sinks=sinks)
     sink = _sinks(6, 53, device) if sinks else None
     with LaunchKeys() as warm:
         assert warm_up(list(_round_methods(methods).values()), layout, device, draft_kernels=True,
@@ -184,22 +187,24 @@ def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False) -> floa
                 q = torch.randn(len(batch), 6, 64, generator=g).to(dtype).to(device)
                 kn, vn = (torch.randn(len(batch), 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
                 for layer in (0, 1):
-                    store.attend(layer, q, kn, vn, 0.125, sink)
+                    store.attend(layer, q, kn, vn, 0.125, sink, softcap or None)
         if "quest" != req_methods[-1]:
             store.begin_round([len(req_methods) - 1], 4)
             q = torch.randn(4, 6, 64, generator=g).to(dtype).to(device)
             kn, vn = (torch.randn(4, 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
-            store.attend_tokens(0, q, kn, vn, 0.125, sink)
+            store.attend_tokens(0, q, kn, vn, 0.125, sink, softcap or None)
     store.clear()
     return _all_warmed(warm, real, device, compiled)
 
 
-def check_window_rounds(device, dtype=torch.float32, group=3, head_dim=64, sinks: bool = False) -> float:
+def check_window_rounds(device, dtype=torch.float32, group=3, head_dim=64, sinks: bool = False,
+                        softcap: float | None = None) -> float:
     """Sliding-window layers' drafts over the pool (spec/window_draft.py) on the decode kernel,
     reading the pool in place, against the same on torch: rows shorter than, past and at the
     window, one with no verified KV, scattered slots, two windows, every step of two rounds
     (a window reached inside the drafts falls back to torch, as it does on CUDA); with
-    ``sinks``, a layer's attention sinks (gpt-oss's window layers have them)."""
+    ``sinks``, a layer's attention sinks (gpt-oss's window layers have them); with ``softcap``,
+    its logit soft cap (Gemma 2's window layers have one)."""
     from sgl_vericache.spec.window_draft import WindowedDraft
 
     shape = Shape((0,), kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
@@ -207,7 +212,7 @@ def check_window_rounds(device, dtype=torch.float32, group=3, head_dim=64, sinks
     perm = torch.randperm(260, generator=_gen(72)).to(device)
     windows = {0: 5, 1: 40}
     drafts = [WindowedDraft(None, windows, lambda layer: (k_pool, v_pool), kernels=flag) for flag in (False, True)]
-    plain = WindowedDraft(None, windows, lambda layer: (k_pool, v_pool), kernels=False)  # sinks left out
+    plain = WindowedDraft(None, windows, lambda layer: (k_pool, v_pool), kernels=False)  # sinks and cap left out
     err, steps, moved = 0.0, 7, 0.0
     sink = _sinks(2 * group, 74, device) if sinks else None
     for rnd, verified in enumerate(([3, 57, 40, 0], [11, 90, 44, 6])):
@@ -223,14 +228,16 @@ def check_window_rounds(device, dtype=torch.float32, group=3, head_dim=64, sinks
             d.begin_round([r[max(0, n - 40):] for r, n in zip(rows, verified)], verified, steps)
         for step in range(steps):
             for layer in windows:
-                outs = [d.attend(layer, queries[step], extra[step][:, 0], extra[step][:, 1], head_dim ** -0.5, sink)
-                        for d in drafts]
+                outs = [d.attend(layer, queries[step], extra[step][:, 0], extra[step][:, 1], head_dim ** -0.5, sink,
+                                 softcap) for d in drafts]
                 err = max(err, _close(outs[1], outs[0], dtype, f"window {windows[layer]} round {rnd} step {step}"))
                 without = plain.attend(layer, queries[step], extra[step][:, 0], extra[step][:, 1], head_dim ** -0.5)
                 moved = max(moved, float((without - outs[0]).abs().max()))
         for d in drafts + [plain]:
             d.end_round()
-    assert sinks == (moved > 0.05), f"sinks {sinks}, yet the outputs moved by {moved} from those without"
+    changed = bool(sinks or softcap)
+    assert changed == (moved > 0.05), f"sinks {sinks}, soft cap {softcap}, yet the outputs moved by {moved} from " \
+                                      "those without"
     return err
 
 

@@ -195,7 +195,7 @@ def test_attention_sinks_take_their_share_of_each_softmax():
 
 def test_backends_pass_attention_sinks_on_and_refuse_other_attention_arguments():
     """The verify backend hands a model's ``sinks`` to verify attention and the draft backend
-    to the draft's store; an attention argument VeriCache does not compute (a ``score_mod``)
+    to the draft's store, with the layer's soft cap; an attention argument VeriCache does not compute (a ``score_mod``)
     stops with its name instead of attending otherwise than decode does."""
     from sgl_vericache.sglang.attention import make_draft_backend, make_verify_backend
     from sgl_vericache.sglang.runtime import Runtime
@@ -223,15 +223,17 @@ def test_backends_pass_attention_sinks_on_and_refuse_other_attention_arguments()
     seen = []
 
     class Store:
-        def attend(self, layer_id, q, k_new, v_new, scale, sinks=None):
-            seen.append(sinks)
+        def attend(self, layer_id, q, k_new, v_new, scale, sinks=None, softcap=None):
+            seen.append((sinks, softcap))
             return torch.zeros_like(q)
 
     draft = make_draft_backend(runner, Store())
     kn = torch.zeros(2, HKV * D)
     draft.forward_decode(q[:2], kn, kn, layer, batch, sinks=sinks)
     draft.forward_decode(q[:2], kn, kn, layer, batch)
-    assert seen[0] is sinks and seen[1] is None
+    draft.forward_decode(q[:2], kn, kn, SimpleNamespace(**{**vars(layer), "logit_cap": 30.0}), batch)
+    # the draft passes read the layer's sinks and soft cap as its decode does
+    assert seen == [(sinks, None), (None, None), (None, 30.0)], seen
     with pytest.raises(NotImplementedError, match="draft attention does not compute attention with score_mod.*--no-vericache-enable"):
         draft.forward_decode(q[:2], kn, kn, layer, batch, score_mod=lambda s: s)
 

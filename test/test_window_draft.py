@@ -20,7 +20,7 @@ class _Store:
     def __init__(self):
         self.layers = []
 
-    def attend(self, layer_id, q, k_new, v_new, scale, sinks=None):
+    def attend(self, layer_id, q, k_new, v_new, scale, sinks=None, softcap=None):
         self.layers.append(layer_id)
         return torch.zeros_like(q)
 

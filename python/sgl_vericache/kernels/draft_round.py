@@ -71,9 +71,9 @@ class KernelDraftRound:
         return extra + copies
 
     def attend(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               scale: float, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+               scale: float, sinks: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
         """One draft step: q [B, H_q, D], k_new/v_new [B, H_kv, D] -> [B, H_q, D]; ``sinks``
-        [H_q]: the layer's attention sinks (None: none)."""
+        [H_q]: the layer's attention sinks, ``softcap`` its logit soft cap (None: none)."""
         step = self.step[layer_id]
         assert step < self.steps and q.shape[0] == self.batch, (step, self.steps, q.shape)
         self.step[layer_id] = step + 1
@@ -81,24 +81,27 @@ class KernelDraftRound:
         self._v_extra[layer_id][:, step] = v_new
         packed = self._layer(layer_id)
         if len(self._groups) == 1:
-            return self._group_step(0, packed[0], q, scale, layer_id, step + 1, sinks)
+            return self._group_step(0, packed[0], q, scale, layer_id, step + 1, sinks, softcap)
         out = torch.empty_like(q)
         for g, index in enumerate(self._index):
-            out[index] = self._group_step(g, packed[g], q[index], scale, layer_id, step + 1, sinks)
+            out[index] = self._group_step(g, packed[g], q[index], scale, layer_id, step + 1, sinks, softcap)
         return out
 
-    def _group_step(self, g: int, packed: PackedKV, q, scale, layer_id: int, seen: int, sinks) -> torch.Tensor:
-        """Group g's rows see their entries and the round's first ``seen`` provisional tokens."""
+    def _group_step(self, g: int, packed: PackedKV, q, scale, layer_id: int, seen: int, sinks,
+                    softcap) -> torch.Tensor:
+        """Group g's rows see their entries and the round's first ``seen`` provisional tokens
+        (on FlashInfer only without sinks or a soft cap, which its path here does not pass)."""
         fi = self._flashinfer[g]
-        if (fi is not None and sinks is None and packed.fmt == FMT_DENSE and not packed.page_size
+        if (fi is not None and sinks is None and not softcap and packed.fmt == FMT_DENSE and not packed.page_size
                 and min(packed.main_len) > 0):
             members = self._groups[g][1]
             return fi.decode((self._id, g), packed, range(len(members)), q, scale, self._k_extra[layer_id],
                              self._v_extra[layer_id], members, [seen] * len(members))
-        return self._launch(packed, q, scale, self._table(g), layer_id, seen, sinks)
+        return self._launch(packed, q, scale, self._table(g), layer_id, seen, sinks, softcap)
 
     def attend_tokens(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                      scale: float, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      scale: float, sinks: Optional[torch.Tensor] = None,
+                      softcap: Optional[float] = None) -> torch.Tensor:
         """S teacher-forced steps of the round's one request: q [S, H_q, D] -> [S, H_q, D];
         token i reads the entry and the round's tokens up to itself."""
         step, n = self.step[layer_id], q.shape[0]
@@ -109,12 +112,12 @@ class KernelDraftRound:
         self._k_extra[layer_id][0, step : step + n] = k_new
         self._v_extra[layer_id][0, step : step + n] = v_new
         rows = packed.rows(row_entry=[0] * n, ext_row=[0] * n, ext_base=[step + i for i in range(n)])
-        return self._launch(packed, q, scale, rows, layer_id, 1, sinks)
+        return self._launch(packed, q, scale, rows, layer_id, 1, sinks, softcap)
 
     def _launch(self, packed: PackedKV, q, scale, rows: RowTable, layer_id: int, ext_add: int,
-                sinks=None) -> torch.Tensor:
+                sinks=None, softcap=None) -> torch.Tensor:
         return ops.decode_attention(packed, q, scale, rows, self._k_extra[layer_id], self._v_extra[layer_id],
-                                    ext_add=ext_add, sinks=sinks)
+                                    ext_add=ext_add, sinks=sinks, softcap=softcap)
 
     def _layer(self, layer_id: int) -> list[PackedKV]:
         if self._packed[layer_id] is None:

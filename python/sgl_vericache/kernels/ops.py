@@ -208,12 +208,13 @@ def int8_query_terms(q: torch.Tensor) -> torch.Tensor:
 
 
 def int8_query_attention(compressor, layer, q: torch.Tensor, scale: float, k_extra: Optional[torch.Tensor] = None,
-                         v_extra: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                         v_extra: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32,
+                         softcap: Optional[float] = None) -> torch.Tensor:
     """What an int8_query launch drafts, in torch (the kernels' twin in kernel_checks, and
     bench_compressors' int8(int8_query) row): compressor.attend's attention, q [S, H_q, D],
     except that the entry's keys (``materialize``) meet int8_query_terms(q) and the
     provisional ones q itself; query i sees k_extra[: E - S + i + 1]. Computed in ``dtype``;
-    the result in q.dtype (zeros where a query sees no key)."""
+    the result in q.dtype (zeros where a query sees no key); scores soft-capped by ``softcap``."""
     k, v, _ = compressor.materialize(layer)
     num_q, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
@@ -226,6 +227,8 @@ def int8_query_attention(compressor, layer, q: torch.Tensor, scale: float, k_ext
     n = k.shape[0]
     scores = torch.cat([torch.einsum("shd,nhd->hsn", int8_query_terms(q).to(dtype), keys[:n]),
                         torch.einsum("shd,nhd->hsn", q.to(dtype), keys[n:])], -1) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     seen = torch.arange(num_extra, device=q.device)[None, :] <= torch.arange(num_q, device=q.device)[:, None] + (
         num_extra - num_q)
     scores[:, :, n:] = scores[:, :, n:].masked_fill(~seen, float("-inf"))
@@ -268,13 +271,17 @@ def _check(packed: PackedKV, q: torch.Tensor, rows: RowTable) -> int:
 def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable,
                      k_extra: Optional[torch.Tensor] = None, v_extra: Optional[torch.Tensor] = None,
                      ext_add: int = 0, config: LaunchConfig = LaunchConfig(),
-                     return_lse: bool = False, sinks: Optional[torch.Tensor] = None):
+                     return_lse: bool = False, sinks: Optional[torch.Tensor] = None,
+                     softcap: Optional[float] = None):
     """Draft attention of q over each row's entry (+ extras). See the module docstring.
     ``sinks`` [H_q]: the layer's attention sinks, added where the splits merge (so by the
-    second kernel: a fused launch merges without them)."""
+    second kernel: a fused launch merges without them). ``softcap``: the layer's logit soft
+    cap (Gemma 2, Grok: scores -> cap * tanh(score / cap), as the target's decode); None: none."""
     if packed.page_size:
-        return quest_decode(packed, q, scale, rows, k_extra, v_extra, ext_add, config, return_lse, sinks=sinks)
+        return quest_decode(packed, q, scale, rows, k_extra, v_extra, ext_add, config, return_lse, sinks=sinks,
+                            softcap=softcap)
     group = _check(packed, q, rows)
+    cap = check_softcap(softcap)
     config = launch_for(config, packed.fmt)
     if sinks is not None and config.fused:
         config = dataclasses.replace(config, fused=False)
@@ -297,7 +304,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         _or(packed.k_scale, k), _or(packed.k_zero, k), _or(packed.v_scale, k), _or(packed.v_zero, k),
         _or(packed.k_recent, ke), _or(packed.v_recent, ve), ke, ve, _or(packed.indices, rows.meta),
         _or(packed.addresses, rows.meta), m, l, acc, _or(out, m), _or(lse, m), _or(tickets, rows.meta),
-        scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, splits,
+        scale * LOG2E, cap * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, splits,
         GROUP=group, GP=max(16, _pow2(group)), D=head_dim, BN=block_n,
         FMT=packed.fmt, BITS=packed.bits, QGROUP=packed.token_group, CGROUP=packed.channel_group,
         KMODE=kmode if kmode != 2 or config.unpack == 0 else 0,
@@ -307,7 +314,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
         MROUND=1 if half else rnd, MDOT=1 if half else dot, Q_BF16=q.dtype == torch.bfloat16,
         ASM=config.asm if half and q.device.type == "cuda" and not interpreting() else 0,
         FUSED=config.fused, HAS_LSE=return_lse, SP=max(2, splits) if config.fused else 2,
-        OFF32=offsets32(config, packed, longest, block_n), ADDR=packed.addresses is not None,
+        OFF32=offsets32(config, packed, longest, block_n), ADDR=packed.addresses is not None, SOFTCAP=cap > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if config.fused:
@@ -342,11 +349,13 @@ def select_pages(scores: torch.Tensor, pages_read: int) -> torch.Tensor:
 def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable,
                  k_extra=None, v_extra=None, ext_add: int = 0, config: LaunchConfig = LaunchConfig(),
                  return_lse: bool = False, selection: Optional[torch.Tensor] = None,
-                 sinks: Optional[torch.Tensor] = None):
+                 sinks: Optional[torch.Tensor] = None, softcap: Optional[float] = None):
     """Quest: score every page of each row's entry, keep each choosing head's top pages_read
-    pages, attend over those pages (+ extras). ``selection`` [R, H_c, K] skips the scoring;
-    ``sinks`` as decode_attention's."""
+    pages, attend over those pages (+ extras). ``selection`` [R, H_c, K] skips the scoring
+    (a soft cap keeps the scores' order: it does not change the choice); ``sinks`` and
+    ``softcap`` as decode_attention's."""
     group = _check(packed, q, rows)
+    cap = check_softcap(softcap)
     per_kv = packed.page_per_kv_head
     config = launch_for(config, FMT_DENSE if per_kv else "quest")
     if sinks is not None and config.fused:
@@ -365,7 +374,7 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
     m, l, acc = _partials(num_rows, num_q_heads, splits, head_dim, q.device)
     head = (q, rows.meta, packed.k, packed.v, selection, ke, ve, m, l, acc, _or(packed.addresses, rows.meta))
     addr = packed.addresses is not None
-    tail = (scale * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, selection.shape[2])
+    tail = (scale * LOG2E, cap * LOG2E, packed.num_kv_heads, num_q_heads, e_cap, ext_add, selection.shape[2])
     if per_kv:
         entry_rows = max((packed.main_len[e] for e in rows.entries), default=0)
         out, lse, tickets = _outputs(config, num_rows, heads, q, return_lse)
@@ -373,14 +382,14 @@ def quest_decode(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowTable
             *head, _or(out, m), _or(lse, m), _or(tickets, rows.meta), *tail, splits, GROUP=group,
             GP=max(16, _pow2(group)), D=head_dim, BN=config.block_n, PAGE=packed.page_size, ROUND=rnd, DOT=dot,
             FUSED=config.fused, HAS_LSE=return_lse, SP=max(2, splits) if config.fused else 2,
-            OFF32=offsets32(config, packed, entry_rows, config.block_n), ADDR=addr,
+            OFF32=offsets32(config, packed, entry_rows, config.block_n), ADDR=addr, SOFTCAP=cap > 0,
             num_warps=config.num_warps, num_stages=config.num_stages)
         if config.fused:
             return (out, lse) if return_lse else out
     else:  # one program per query head: merged by the second kernel (config.fused does not apply)
         tq._quest_split_kernel[(num_rows, heads, splits)](
             *head, *tail, packed.page_size, splits, GROUP=group, D=head_dim, BN=config.block_n, ROUND=rnd,
-            ADDR=addr, num_warps=config.num_warps, num_stages=config.num_stages)
+            ADDR=addr, SOFTCAP=cap > 0, num_warps=config.num_warps, num_stages=config.num_stages)
     return _combine(m, l, acc, q.dtype, return_lse, sinks)
 
 
@@ -451,3 +460,14 @@ def check_sinks(sinks: torch.Tensor, num_q_heads: int, device) -> torch.Tensor:
     if sinks.dim() != 1 or sinks.shape[0] != num_q_heads:
         raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: accepted: [{num_q_heads}], one a query head")
     return sinks.to(device=device, dtype=torch.float32).contiguous()
+
+
+def check_softcap(softcap: Optional[float]) -> float:
+    """A layer's logit soft cap as the kernels take it: a positive finite float, or 0.0 for
+    none (None or 0, as SGLang's layers say "no cap")."""
+    if not softcap:
+        return 0.0
+    cap = float(softcap)
+    if not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"logit soft cap {softcap!r}: accepted: a positive finite number, or None / 0 for none")
+    return cap

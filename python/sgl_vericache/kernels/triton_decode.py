@@ -136,6 +136,16 @@ def _mm(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
+def _soft_cap(s, softcap, SOFTCAP: tl.constexpr):
+    """Scores s (base-2 units) soft-capped as a capped model's attention does, cap *
+    tanh(score / cap), with ``softcap`` the cap in those units; as they are without SOFTCAP.
+    tanh(y) = 1 - 2 / (e^2y + 1): +-1 where e^2y over- or underflows."""
+    if SOFTCAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / softcap)) + 1.0))
+    return s
+
+
+@triton.jit
 def _softmax_step(m_i, l_i, acc, s, v, DOT: tl.constexpr):
     """Fold one block into the running state. s [GP, BN] scores (log2 domain, -inf where
     masked), v [BN, D] values in the dot dtype."""
@@ -304,15 +314,17 @@ def _entry_base(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, first, H, FMT: tl.
 
 
 @triton.jit
-def _dense_segment(q, m_i, l_i, acc, k_ptr, v_ptr, row0, count, h, H, qk_scale,
-                   ROUND: tl.constexpr, DOT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-    """Fold ``count`` consecutive dense rows starting at row0 of [N, H, D] K/V."""
+def _dense_segment(q, m_i, l_i, acc, k_ptr, v_ptr, row0, count, h, H, qk_scale, softcap,
+                   ROUND: tl.constexpr, DOT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
+    """Fold ``count`` consecutive dense rows starting at row0 of [N, H, D] K/V (scores
+    soft-capped with SOFTCAP: _soft_cap)."""
     for start in range(0, count, BN):
         t = start + tl.arange(0, BN)
         valid = t < count
         tok = row0 + t.to(tl.int64)
         k = _dot_in(_round_to(_load_dense(k_ptr, tok, h, H, valid, D), ROUND), DOT)
-        s = _mm(q, tl.trans(k), DOT) * qk_scale
+        s = _soft_cap(_mm(q, tl.trans(k), DOT) * qk_scale, softcap, SOFTCAP)
         s = tl.where(valid[None, :], s, float("-inf"))
         v = _dot_in(_round_to(_load_dense(v_ptr, tok, h, H, valid, D), ROUND), DOT)
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, DOT)
@@ -324,7 +336,8 @@ def _main_block(qm, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
                 scale, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr,
                 KMODE: tl.constexpr, HEAD_SCALE: tl.constexpr, MROUND: tl.constexpr, MDOT: tl.constexpr,
                 FOLD: tl.constexpr, UNPACK: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
-                BN: tl.constexpr, D: tl.constexpr, q8, q8_lo, q8_scale, QK8: tl.constexpr):
+                BN: tl.constexpr, D: tl.constexpr, q8, q8_lo, q8_scale, QK8: tl.constexpr, softcap,
+                SOFTCAP: tl.constexpr):
     """Fold one block of the main segment (rows tok) into the running state. qm is the query
     in the main segment's product dtype (MDOT), ``scale`` its score scale; with QK8 (int8
     entries) the keys' codes meet the query's two int8 terms (q8, q8_lo: _int8_query) on
@@ -345,13 +358,13 @@ def _main_block(qm, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
         else:
             k = _dot_in(_load_codes(k_ptr, tok, h, H, valid, FMT, D, HALF, ASM, BN), MDOT)
             s = _mm(qm, tl.trans(k), MDOT) * (k_scale * scale)[None, :]
-        s = tl.where(live[None, :], s, float("-inf"))
+        s = tl.where(live[None, :], _soft_cap(s, softcap, SOFTCAP), float("-inf"))
         v = _dot_in(_load_codes(v_ptr, tok, h, H, valid, FMT, D, HALF, ASM, BN), MDOT)
         m_i, l_i, acc = _softmax_step_scaled(m_i, l_i, acc, s, v, v_scale, MDOT)
     else:  # dense rows, or KIVI dequantized (in fp16 with HALF, else fp32 rounded to the entry dtype)
         k = _load_main(k_ptr, ks_ptr, kz_ptr, tok, tok0, entry, h, H, valid,
                        FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, True, UNPACK, HALF, BN, D, ASM)
-        s = _mm(qm, tl.trans(_dot_in(_round_to(k, MROUND), MDOT)), MDOT) * scale
+        s = _soft_cap(_mm(qm, tl.trans(_dot_in(_round_to(k, MROUND), MDOT)), MDOT) * scale, softcap, SOFTCAP)
         s = tl.where(live[None, :], s, float("-inf"))
         v = _load_main(v_ptr, vs_ptr, vz_ptr, tok, tok0, entry, h, H, valid,
                        FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE, False, UNPACK, HALF, BN, D, ASM)
@@ -375,7 +388,7 @@ def _decode_split_kernel(
     addr_ptr,  # ADDR: [E, ADDR_COLS] int64, each entry's tensors where they lie (the starts are 0)
     m_ptr, l_ptr, acc_ptr,  # partials [R, HQ, NUM_SPLITS] (x D for acc)
     out_ptr, lse_ptr, tick_ptr,  # FUSED: the output [R, HQ, D], its lse [R, HQ], a ticket per (row, KV head)
-    qk_scale, H, HQ, E_CAP, EXT_ADD, NUM_SPLITS,
+    qk_scale, softcap, H, HQ, E_CAP, EXT_ADD, NUM_SPLITS,  # softcap: the scores' soft cap, base-2 units (SOFTCAP)
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
     FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, CGROUP: tl.constexpr, KMODE: tl.constexpr,
     HEAD_SCALE: tl.constexpr, INDEXED: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
@@ -385,6 +398,7 @@ def _decode_split_kernel(
     OFF32: tl.constexpr = False,  # main-segment offsets in int32 from the entry's first row (not INDEXED)
     ADDR: tl.constexpr = False,
     QK8: tl.constexpr = False,  # int8 entries (FOLD): scores from the query's int8 terms x the codes (int8_query)
+    SOFTCAP: tl.constexpr = False,  # scores soft-capped (Gemma 2, Grok): _soft_cap
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -429,17 +443,18 @@ def _decode_split_kernel(
             tok = tl.load(idx_ptr + tok).to(tl.int64)
         m_i, l_i, acc = _main_block(qm, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, tok, tok0,
                                     entry, h, H, live, main_scale, FMT, BITS, QGROUP, CGROUP, KMODE, HEAD_SCALE,
-                                    MROUND, MDOT, FOLD, UNPACK, HALF, ASM, BN, D, q8, q8_lo, q8_scale, QK8)
+                                    MROUND, MDOT, FOLD, UNPACK, HALF, ASM, BN, D, q8, q8_lo, q8_scale, QK8,
+                                    softcap, SOFTCAP)
 
     last = split == NUM_SPLITS - 1  # the short segments go to the split with the least main work
     rec_len = tl.where(last, tl.load(meta + 3), 0)
     rec_start = tl.load(meta + 2).to(tl.int64)
-    m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, kr_ptr, vr_ptr, rec_start, rec_len, h, H, qk_scale,
-                                   ROUND, DOT, BN, D)
+    m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, kr_ptr, vr_ptr, rec_start, rec_len, h, H, qk_scale, softcap,
+                                   ROUND, DOT, BN, D, SOFTCAP)
     ext_len = tl.where(last, tl.load(meta + 5) + EXT_ADD, 0)
     ext_row0 = tl.load(meta + 4).to(tl.int64) * E_CAP
-    m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, ke_ptr, ve_ptr, ext_row0, ext_len, h, H, qk_scale,
-                                   ROUND, DOT, BN, D)
+    m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, ke_ptr, ve_ptr, ext_row0, ext_len, h, H, qk_scale, softcap,
+                                   ROUND, DOT, BN, D, SOFTCAP)
     _finish_rows(m_i, l_i, acc, r.to(tl.int64) * HQ + h * GROUP, split, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
                  tick_ptr + r * H + h, NUM_SPLITS, GROUP, D, SP, FUSED, HAS_LSE)
 

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .codes import _load_dense
 from .triton_decode import (K_COL, PMAX_COL, PMIN_COL, V_COL, _addressed, _dense_segment, _dot_in, _finish_rows, _mm,
-                            _round_to, _softmax_step)
+                            _round_to, _soft_cap, _softmax_step)
 
 
 @triton.jit(do_not_specialize=["P_MAX"])  # see triton_decode.ROUND_VARYING
@@ -56,15 +56,15 @@ def _page_scores_kernel(q_ptr, meta_ptr, pmin_ptr, pmax_ptr, addr_ptr, out_ptr, 
 @triton.jit(do_not_specialize=["E_CAP", "EXT_ADD", "K_SEL", "NUM_SPLITS"])  # see triton_decode.ROUND_VARYING
 def _quest_group_kernel(
     q_ptr, meta_ptr, k_ptr, v_ptr, sel_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr, addr_ptr, out_ptr, lse_ptr,
-    tick_ptr, qk_scale, H, HQ, E_CAP, EXT_ADD, K_SEL, NUM_SPLITS,
+    tick_ptr, qk_scale, softcap, H, HQ, E_CAP, EXT_ADD, K_SEL, NUM_SPLITS,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr,
     ROUND: tl.constexpr, DOT: tl.constexpr, FUSED: tl.constexpr = False, HAS_LSE: tl.constexpr = False,
-    SP: tl.constexpr = 2, OFF32: tl.constexpr = False, ADDR: tl.constexpr = False,
+    SP: tl.constexpr = 2, OFF32: tl.constexpr = False, ADDR: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """Per-KV-head choice: one program reads one row's KV head h (its GQA group's queries
     together) over a slice of the pages the page table chose for (row, h), then, in the
     last split, the row's provisional tokens (FUSED, OFF32, ADDR: see triton_decode's
-    _finish_rows, _entry_base, _entry_tensors)."""
+    _finish_rows, _entry_base, _entry_tensors; SOFTCAP: scores soft-capped, _soft_cap)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -99,25 +99,25 @@ def _quest_group_kernel(
         valid = (i < hi) & (t < num_tokens)  # the last page may be partial
         tok = t if OFF32 else main_start + t.to(tl.int64)
         k = _dot_in(_round_to(_load_dense(k_ptr, tok, h, H, valid, D), ROUND), DOT)
-        s = tl.where(valid[None, :], _mm(q, tl.trans(k), DOT) * qk_scale, float("-inf"))
+        s = tl.where(valid[None, :], _soft_cap(_mm(q, tl.trans(k), DOT) * qk_scale, softcap, SOFTCAP), float("-inf"))
         v = _dot_in(_round_to(_load_dense(v_ptr, tok, h, H, valid, D), ROUND), DOT)
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, DOT)
 
     ext_len = tl.where(split == NUM_SPLITS - 1, tl.load(meta + 5) + EXT_ADD, 0)
     ext_row0 = tl.load(meta + 4).to(tl.int64) * E_CAP
-    m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, ke_ptr, ve_ptr, ext_row0, ext_len, h, H, qk_scale,
-                                   ROUND, DOT, BN, D)
+    m_i, l_i, acc = _dense_segment(q, m_i, l_i, acc, ke_ptr, ve_ptr, ext_row0, ext_len, h, H, qk_scale, softcap,
+                                   ROUND, DOT, BN, D, SOFTCAP)
     _finish_rows(m_i, l_i, acc, r.to(tl.int64) * HQ + h * GROUP, split, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
                  tick_ptr + r * H + h, NUM_SPLITS, GROUP, D, SP, FUSED, HAS_LSE)
 
 
 @triton.jit
-def _fold_rows(q, m_i, l_i, acc, k_ptr, v_ptr, tok, h, H, valid, qk_scale,
-               ROUND: tl.constexpr, D: tl.constexpr):
+def _fold_rows(q, m_i, l_i, acc, k_ptr, v_ptr, tok, h, H, valid, qk_scale, softcap,
+               ROUND: tl.constexpr, D: tl.constexpr, SOFTCAP: tl.constexpr):
     d = tl.arange(0, D)
     off = ((tok * H + h) * D)[:, None] + d[None, :]
     k = _round_to(tl.load(k_ptr + off, mask=valid[:, None], other=0.0), ROUND).to(tl.float32)
-    s = tl.where(valid, tl.sum(k * q[None, :], 1) * qk_scale, float("-inf"))
+    s = tl.where(valid, _soft_cap(tl.sum(k * q[None, :], 1) * qk_scale, softcap, SOFTCAP), float("-inf"))
     v = _round_to(tl.load(v_ptr + off, mask=valid[:, None], other=0.0), ROUND).to(tl.float32)
     m_new = tl.maximum(m_i, tl.max(s, 0))
     alpha = tl.exp2(m_i - m_new)
@@ -128,8 +128,9 @@ def _fold_rows(q, m_i, l_i, acc, k_ptr, v_ptr, tok, h, H, valid, qk_scale,
 @triton.jit(do_not_specialize=["E_CAP", "EXT_ADD", "K_SEL", "NUM_SPLITS"])  # see triton_decode.ROUND_VARYING
 def _quest_split_kernel(
     q_ptr, meta_ptr, k_ptr, v_ptr, sel_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr, addr_ptr,
-    qk_scale, H, HQ, E_CAP, EXT_ADD, K_SEL, PAGE_SIZE, NUM_SPLITS,
+    qk_scale, softcap, H, HQ, E_CAP, EXT_ADD, K_SEL, PAGE_SIZE, NUM_SPLITS,
     GROUP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, ROUND: tl.constexpr, ADDR: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     hq = tl.program_id(1)
@@ -160,14 +161,14 @@ def _quest_split_kernel(
         t = page * PAGE_SIZE + i % PAGE_SIZE
         valid = (i < hi) & (t < num_tokens)  # the last page may be partial
         m_i, l_i, acc = _fold_rows(q, m_i, l_i, acc, k_ptr, v_ptr, main_start + t.to(tl.int64), h, H, valid,
-                                   qk_scale, ROUND, D)
+                                   qk_scale, softcap, ROUND, D, SOFTCAP)
 
     ext_len = tl.where(split == NUM_SPLITS - 1, tl.load(meta + 5) + EXT_ADD, 0)
     ext_row0 = tl.load(meta + 4).to(tl.int64) * E_CAP
     for start in range(0, ext_len, BN):
         t = start + tl.arange(0, BN)
         m_i, l_i, acc = _fold_rows(q, m_i, l_i, acc, ke_ptr, ve_ptr, ext_row0 + t.to(tl.int64), h, H,
-                                   t < ext_len, qk_scale, ROUND, D)
+                                   t < ext_len, qk_scale, softcap, ROUND, D, SOFTCAP)
 
     out = rh * NUM_SPLITS + split
     tl.store(m_ptr + out, m_i)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_decode import _dot_in, _mm, _round_to, _softmax_step
+from .triton_decode import _dot_in, _mm, _round_to, _soft_cap, _softmax_step
 
 
 @triton.jit
@@ -44,10 +44,7 @@ def _fold_block(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, row, table_stride, t,
     slot = tl.load(table_ptr + row * table_stride + t).to(tl.int64)
     every = tl.full(t.shape, 1, tl.int1)
     k = _dot_in(_round_to(_pool_rows(k_ptr, slot, h, stride_kt, stride_kh, every, D, DP), ROUND), DOT)
-    s = _mm(q, tl.trans(k), DOT) * qk_scale
-    if SOFTCAP:  # tanh(y) = 1 - 2 / (e^2y + 1): +-1 where e^2y over- or underflows
-        s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / softcap)) + 1.0))
-    s = tl.where(visible, s, float("-inf"))
+    s = tl.where(visible, _soft_cap(_mm(q, tl.trans(k), DOT) * qk_scale, softcap, SOFTCAP), float("-inf"))
     v = _dot_in(_round_to(_pool_rows(v_ptr, slot, h, stride_vt, stride_vh, every, D, DP), ROUND), DOT)
     return _softmax_step(m_i, l_i, acc, s, v, DOT)
 

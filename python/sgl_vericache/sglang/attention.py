@@ -48,6 +48,7 @@ def make_draft_backend(model_runner, store):
                 v.reshape(-1, hkv, layer.v_head_dim),
                 layer.scaling,
                 attention_extras(kwargs, "draft"),  # the layer's attention sinks, as the target's decode
+                logit_cap(layer),  # and its soft cap
             )
             return out.reshape(-1, hq * layer.v_head_dim)
 

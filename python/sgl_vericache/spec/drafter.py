@@ -236,12 +236,13 @@ class CompressedKVStore:
         v_new: torch.Tensor,
         scale: float,
         sinks: Optional[torch.Tensor] = None,  # [H_q] the layer's attention sinks (gpt-oss), or None
+        softcap: Optional[float] = None,  # the layer's logit soft cap (Gemma 2, Grok), or None
     ) -> torch.Tensor:  # [B, H_q, D]
         """One draft step of one layer: each request's query reads its compressed entry and
         the round's draft tokens so far (its own included, so no row is empty). Computed in
         fp32 when the entries are lower precision."""
         if self._kernel_round is not None:
-            return self._kernel_round.attend(layer_id, q, k_new, v_new, scale, sinks)
+            return self._kernel_round.attend(layer_id, q, k_new, v_new, scale, sinks, softcap)
         rnd = self._round
         assert rnd is not None, "attend() outside a draft round (call begin_round first)"
         step = rnd.step[layer_id]
@@ -258,7 +259,7 @@ class CompressedKVStore:
             q.float()[:, :, None, :],  # [B, H_q, 1, D]
             k_buf[:, :, :end].float(),  # [B, H_kv, end, D]
             v_buf[:, :, :end].float(),
-            mask, scale, sinks,
+            mask, scale, sinks, softcap or None,
         )  # [B, H_q, 1, D]
         return out[:, :, 0].to(q.dtype)
 
@@ -270,13 +271,14 @@ class CompressedKVStore:
         v_new: torch.Tensor,
         scale: float,
         sinks: Optional[torch.Tensor] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:  # [S, H_q, D]
         """S draft steps of one layer at once, for a round of one request whose next S
         input tokens are known (teacher forcing: a prompt's tokens past its compressed
         entry). Token i reads the entry and the round's tokens up to itself, exactly as S
         calls of ``attend`` would; not for compressors that select keys per query."""
         if self._kernel_round is not None:
-            return self._kernel_round.attend_tokens(layer_id, q, k_new, v_new, scale, sinks)
+            return self._kernel_round.attend_tokens(layer_id, q, k_new, v_new, scale, sinks, softcap)
         rnd = self._round
         assert rnd is not None, "attend_tokens() outside a draft round (call begin_round first)"
         assert len(rnd.entries) == 1 and not rnd.query_aware, "attend_tokens() is for one request, no per-step selection"
@@ -294,7 +296,7 @@ class CompressedKVStore:
             q.float().transpose(0, 1)[None],  # [1, H_q, S, D]
             k_buf[:, :, :end].float(),  # [1, H_kv, end, D]
             v_buf[:, :, :end].float(),
-            mask[None, None], scale, sinks,
+            mask[None, None], scale, sinks, softcap or None,
         )  # [1, H_q, S, D]
         return out[0].transpose(0, 1).to(q.dtype)
 

@@ -6,9 +6,9 @@ several read in place through their address table), and the split merge for ever
 count a launch picks. Left to the first requests, those compiles (seconds each on a first
 start; Triton caches them on disk for the next) land inside their draft rounds. ``warm_up``
 runs a small draft round per compressor through a throwaway ``CompressedKVStore`` of one
-layer, with the model's head layout and dtypes, so the rounds that follow find every
-variant they launch already compiled: kernel variants depend on the head layout, dtypes and
-compressor options, never on the lengths a round sees (the kernels do not specialize on
+layer, with the model's head layout, dtypes and logit soft cap, so the rounds that follow find every
+variant they launch already compiled: kernel variants depend on the head layout, dtypes,
+soft cap, sinks and compressor options, never on the lengths a round sees (the kernels do not specialize on
 them; test/kernel_checks.py's warm-up cases compare Triton's own cache keys).
 
 ``warm_verify`` does the same for the verify kernel (kernels/verify.py), whose variants
@@ -44,8 +44,8 @@ class HeadLayout:
     head_dim: int
     kv_dtype: torch.dtype  # the full KV pool's (the compressors read it)
     q_dtype: torch.dtype  # the draft passes' queries (the model's dtype)
-    logit_cap: float = 0.0  # the attention scores' soft cap (Gemma 2, Grok); 0: none. Only the
-    # verify kernel reads it (a capped model's verify launches its capped variant)
+    logit_cap: float = 0.0  # the attention scores' soft cap (Gemma 2, Grok); 0: none. A capped
+    # model's verify and draft launches are their capped variants
     sinks: bool = False  # the model's attention layers have attention sinks (gpt-oss, Granite-SWA):
     # every split merge, verify's and the drafts', launches its variant that adds them
 
@@ -101,7 +101,7 @@ def _warm_compressor(comp: KVCompressor, layout: HeadLayout, device, gen, draft_
     rids = list(range(len(lengths)))
     for rid, ((k, v), n) in enumerate(zip(kv, lengths)):
         store.sync(rid, n, lambda _, a, b, k=k, v=v: (k[a:b], v[a:b]), queries=queries)
-    scale, sinks = layout.head_dim ** -0.5, layout.sink_values(device)
+    scale, sinks, cap = layout.head_dim ** -0.5, layout.sink_values(device), layout.logit_cap or None
     try:
         for batch in ([rids[0]], rids):  # a lone entry, then several read together
             store.begin_round(batch, 2)
@@ -109,13 +109,13 @@ def _warm_compressor(comp: KVCompressor, layout: HeadLayout, device, gen, draft_
                 q = _randn(gen, (len(batch), layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
                 k_new, v_new = (_randn(gen, (len(batch), layout.num_kv_heads, layout.head_dim), layout.kv_dtype,
                                        device) for _ in range(2))
-                store.attend(0, q, k_new, v_new, scale, sinks)
+                store.attend(0, q, k_new, v_new, scale, sinks, cap)
         if not selects_per_step(comp):  # a prompt's tokens past its entry, drafted at once
             store.begin_round([rids[0]], 3)
             q = _randn(gen, (3, layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
             k_new, v_new = (_randn(gen, (3, layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device)
                             for _ in range(2))
-            store.attend_tokens(0, q, k_new, v_new, scale, sinks)
+            store.attend_tokens(0, q, k_new, v_new, scale, sinks, cap)
     finally:
         store.clear()
 
@@ -134,7 +134,7 @@ def _warm_window(layout: HeadLayout, device, gen, lengths) -> None:
         q = _randn(gen, (len(lengths), layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
         k_new, v_new = (_randn(gen, (len(lengths), layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device)
                         for _ in range(2))
-        draft.attend(0, q, k_new, v_new, layout.head_dim ** -0.5, layout.sink_values(device))
+        draft.attend(0, q, k_new, v_new, layout.head_dim ** -0.5, layout.sink_values(device), layout.logit_cap or None)
     draft.end_round()
 
 

@@ -69,11 +69,12 @@ class WindowedDraft:
         self._round = None
 
     def attend(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               scale: float, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+               scale: float, sinks: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
         window = self.windows.get(layer_id)
         if window is None or self._round is None:
-            return self.store.attend(layer_id, q, k_new, v_new, scale, sinks)
-        return self._round.attend(layer_id, window, self.kv_buffers(layer_id), q, k_new, v_new, scale, sinks)
+            return self.store.attend(layer_id, q, k_new, v_new, scale, sinks, softcap)
+        return self._round.attend(layer_id, window, self.kv_buffers(layer_id), q, k_new, v_new, scale, sinks,
+                                  softcap)
 
 
 class _WindowRound:
@@ -110,9 +111,9 @@ class _WindowRound:
         self.k_extra: dict[int, torch.Tensor] = {}  # layer -> [B, steps, H_kv, D] provisional KV
         self.v_extra: dict[int, torch.Tensor] = {}
 
-    def attend(self, layer_id, window, pools, q, k_new, v_new, scale, sinks=None):
+    def attend(self, layer_id, window, pools, q, k_new, v_new, scale, sinks=None, softcap=None):
         """One step of every row: q [B, H_q, D] at positions verified + step (``sinks``: the
-        layer's attention sinks [H_q], or None)."""
+        layer's attention sinks [H_q], ``softcap`` its logit soft cap, or None)."""
         step = self.step.get(layer_id, 0)
         assert step < self.steps and q.shape[0] == self.rows, (step, self.steps, q.shape)
         self.step[layer_id] = step + 1
@@ -122,7 +123,7 @@ class _WindowRound:
         self.k_extra[layer_id][:, step] = k_new
         self.v_extra[layer_id][:, step] = v_new
         if self.kernels and step <= window and draft_head_dim(k_new.shape[-1]):
-            return self._kernel_attend(layer_id, window, pools, q, scale, step, sinks)
+            return self._kernel_attend(layer_id, window, pools, q, scale, step, sinks, softcap)
         masked = self._masks.get((window, step))
         if masked is None:
             first = max(0, self.index.shape[1] - max(window - step, 0))  # older columns no row sees
@@ -135,7 +136,7 @@ class _WindowRound:
         k = torch.cat([k_pool[index], self.k_extra[layer_id][:, : step + 1]], dim=1)  # [B, C + step + 1, H_kv, D]
         v = torch.cat([v_pool[index], self.v_extra[layer_id][:, : step + 1]], dim=1)
         out = attention(q.float()[:, :, None, :], k.float().transpose(1, 2), v.float().transpose(1, 2), visible,
-                        scale, sinks)  # [B, H_q, 1, D]
+                        scale, sinks, softcap or None)  # [B, H_q, 1, D]
         return out[:, :, 0].to(q.dtype)
 
     def _pool_visible(self, window: int, step: int) -> torch.Tensor:
@@ -143,7 +144,7 @@ class _WindowRound:
         verified + step - window .. on; none before the request's first)."""
         return (self.positions >= 0) & (self.positions >= (self.lens + step - window)[:, None])
 
-    def _kernel_attend(self, layer_id, window, pools, q, scale, step, sinks=None):
+    def _kernel_attend(self, layer_id, window, pools, q, scale, step, sinks=None, softcap=None):
         """The same attention on the draft decode kernel, reading the pool in place through
         each row's visible slots (every provisional token is visible: ``step <= window``)."""
         from sgl_vericache.kernels import ops
@@ -160,4 +161,5 @@ class _WindowRound:
                                                     paged_pool(k_pool, v_pool, indices, counts).rows())
         indices, counts, rows = table
         return ops.decode_attention(paged_pool(k_pool, v_pool, indices, counts), q, scale, rows,
-                                    self.k_extra[layer_id], self.v_extra[layer_id], ext_add=step + 1, sinks=sinks)
+                                    self.k_extra[layer_id], self.v_extra[layer_id], ext_add=step + 1, sinks=sinks,
+                                    softcap=softcap)

@@ -137,6 +137,7 @@ def causal_attention(
     k_extra: torch.Tensor | None = None,  # [E, H_kv, D] causal part
     v_extra: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,  # [H_q, S, N] bool: which compressed keys each query reads
+    softcap: float | None = None,  # a logit soft cap: scores -> cap * tanh(score / cap)
 ) -> torch.Tensor:
     """Reference draft attention, computed in fp32. Query i sees the compressed keys and
     extra[: E - S + i + 1]. A query that sees nothing returns zeros."""
@@ -153,10 +154,17 @@ def causal_attention(
     visible = None
     if mask is not None or (num_q > 1 and num_extra > 0):
         visible = _visibility(num_q, num_q_heads, k.shape[0], num_extra, mask, q.device)
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
-        attn_mask=visible, scale=scale, enable_gqa=True,
-    )  # [H_q, S, D]
+    qt, kt, vt = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
+    if softcap:  # written out: SDPA has no cap
+        group = num_q_heads // k.shape[1]
+        scores = qt @ kt.repeat_interleave(group, 0).transpose(-1, -2) * scale  # [H_q, S, N+E]
+        scores = softcap * torch.tanh(scores / softcap)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        out = torch.softmax(scores, -1) @ vt.repeat_interleave(group, 0)
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=visible, scale=scale,
+                                             enable_gqa=True)  # [H_q, S, D]
     if visible is not None:
         out = out.nan_to_num(0.0)  # rows that see nothing
     return out.transpose(0, 1).to(q.dtype)
@@ -255,12 +263,14 @@ class KVCompressor(ABC):
         scale: float,
         k_extra: torch.Tensor | None = None,  # [E, H_kv, D]
         v_extra: torch.Tensor | None = None,
+        softcap: float | None = None,  # the layer's logit soft cap (Gemma 2, Grok), or None
     ) -> torch.Tensor:  # [S, H_q, D] in q.dtype
         """Draft attention over the entry plus the causal provisional extras (fp32 softmax):
         the reference for the drafter's batched path, which reads ``materialize`` and
         ``step_selection`` the same way."""
         k, v, _ = self.materialize(layer)
-        return causal_attention(q, k, v, scale, k_extra, v_extra, mask=self.step_selection(layer, q))
+        return causal_attention(q, k, v, scale, k_extra, v_extra, mask=self.step_selection(layer, q),
+                                softcap=softcap)
 
     def step_selection(self, layer: CompressedLayer, q: torch.Tensor) -> torch.Tensor | None:
         """[H_q, S, N] bool: which materialized keys each query head reads at this draft
