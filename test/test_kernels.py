@@ -435,3 +435,22 @@ def test_int8_query_terms_and_the_drafting_benchmarks_twin():
         for name, other in logits.items():  # and it is told apart from the two wrong ways
             assert float((out[i] - other).abs().max()) > 20 * max(err, 1e-5), (i, name)
 
+
+def test_sinks_are_converted_once_while_they_are_unchanged():
+    """A bf16 model's attention sinks become the merge's fp32 once, not at every merge (each
+    layer of each draft step and verify); a weight update in place is seen at the next merge,
+    and fp32 sinks already on the device are read as they are."""
+    from sgl_vericache.kernels import ops
+
+    sinks = torch.tensor([0.5, -1.25, 3.0, 2.0], dtype=torch.bfloat16)
+    first = ops.check_sinks(sinks, 4, "cpu")
+    assert first.dtype == torch.float32 and torch.equal(first, sinks.float())
+    assert ops.check_sinks(sinks, 4, torch.device("cpu")) is first
+    with torch.no_grad():
+        sinks.add_(1.0)  # e.g. /update_weights_from_disk loading in place
+    again = ops.check_sinks(sinks, 4, "cpu")
+    assert again is not first and torch.equal(again, sinks.float())
+    fp32 = torch.zeros(4)
+    assert ops.check_sinks(fp32, 4, "cpu") is fp32
+    with pytest.raises(ValueError, match=r"attention sinks of shape \(3,\): accepted: \[4\]"):
+        ops.check_sinks(torch.zeros(3), 4, "cpu")

@@ -454,12 +454,33 @@ def _combine(m, l, acc, dtype, return_lse, sinks: Optional[torch.Tensor] = None)
     return (out, lse) if return_lse else out
 
 
+# (address, device) of a model's sinks -> (the sinks, their version, their fp32 copy): see check_sinks
+_SINKS_FP32: dict = {}
+_SINKS_FP32_MAX = 1024  # layers' worth; past it the cache starts over
+
+
 def check_sinks(sinks: torch.Tensor, num_q_heads: int, device) -> torch.Tensor:
     """A layer's attention sinks as the merge reads them: [H_q] fp32 (a model holds them in
-    bf16 or fp32: one kernel variant for both), contiguous, on ``device``."""
+    bf16 or fp32: one kernel variant for both), contiguous, on ``device``. A conversion is
+    kept while the sinks are unchanged (the same tensor at the same version: a weight update
+    in place bumps the version), so a bf16 model (gpt-oss, Granite-SWA on most backends) pays
+    one cast a layer, not one per merge (every layer of every draft step and verify)."""
     if sinks.dim() != 1 or sinks.shape[0] != num_q_heads:
         raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: accepted: [{num_q_heads}], one a query head")
-    return sinks.to(device=device, dtype=torch.float32).contiguous()
+    device = torch.device(device)
+    if sinks.dtype == torch.float32 and sinks.device == device and sinks.is_contiguous():
+        return sinks
+    key = (sinks.data_ptr(), str(device))
+    held = _SINKS_FP32.get(key)
+    if held is not None and held[0] is sinks and held[1] == sinks._version:
+        return held[2]
+    converted = sinks.to(device=device, dtype=torch.float32).contiguous()
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return converted  # a graph's own memory: not kept past its capture
+    if len(_SINKS_FP32) >= _SINKS_FP32_MAX:
+        _SINKS_FP32.clear()
+    _SINKS_FP32[key] = (sinks, sinks._version, converted)  # held: its memory cannot be reused meanwhile
+    return converted
 
 
 def check_softcap(softcap: Optional[float]) -> float:
