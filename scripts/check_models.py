@@ -15,7 +15,7 @@ scheduler that fails takes its process group with it). Outcomes:
   run died before speculation off had served it);
 - ``FAILED``: anything else (the last error line is kept).
 
-    python scripts/check_models.py                       # every architecture, ~2.5 min each
+    python scripts/check_models.py                       # every architecture, ~50 s each
     python scripts/check_models.py --models qwen3,gemma2 --out /tmp/models.json
     python scripts/check_models.py --from-json   # docs/models.md's table from the JSON
 
@@ -57,6 +57,32 @@ ARCHITECTURES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, decoder_sparse_step=1, num_experts=4,
                                                                num_experts_per_tok=2, moe_intermediate_size=32), {}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2), {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=16, pad_token_id=0,
+                                                            layer_types=["sliding_attention", "full_attention"],
+                                                            **WINDOW), {}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(pad_token_id=0), {}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(pad_token_id=0, layer_types=["sliding_attention",
+                                                                                         "full_attention"], **WINDOW),
+                {}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=None), {}),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(partial_rotary_factor=0.5, num_key_value_heads=4), {}),  # SGLang: MHA
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_inner=128, multi_query=True), {}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16, pad_token_id=0), {}),
+    "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(head_dim=16, pad_token_id=0), {}),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}, {}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(pad_token_id=0), {}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+                                                     num_key_value_heads=4), {}),  # SGLang's q/k norms: MHA
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2), {}),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                        sliding_window=None), {}),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                                            moe_intermediate_size=32, first_k_dense_replace=1,
+                                                            n_shared_experts=1, pad_token_id=0), {}),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1, pad_token_id=0),
+        {}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(shared_expert_intermediate_size=32,
                                                                decoder_sparse_step=1, num_experts=4,
                                                                num_experts_per_tok=2, moe_intermediate_size=32), {}),
@@ -74,9 +100,10 @@ ARCHITECTURES = {
                                                          pad_token_id=0, **WINDOW), {}),
 }
 
-# name -> (std of the random weights, whether the embeddings get them too): Gemma 2 scales its
-# tied embeddings by sqrt(hidden), and with the default its greedy output is one token repeated
-INIT = {"gemma2": (0.3, False)}
+# name -> (std of the random weights, whether the embeddings get them too), where the default's
+# greedy output is a few tokens repeated: Gemma 2 scales its tied embeddings by sqrt(hidden),
+# Gemma 3 saturates; norms (LayerNorm's "ln_" too) keep their initial weights
+INIT = {"gemma2": (0.3, False), "gemma3": (0.05, True), "starcoder2": (0.3, True)}
 
 
 def build(name: str, dest: Path) -> None:
@@ -93,7 +120,7 @@ def build(name: str, dest: Path) -> None:
     std, embeddings = INIT.get(name, (0.12, True))
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if "norm" not in param_name and (embeddings or "embed" not in param_name):
+            if "norm" not in param_name and "ln_" not in param_name and (embeddings or "embed" not in param_name):
                 param.normal_(0, std)
     save_tiny_model(model, dest, default_model_dir())
     if config_json:
