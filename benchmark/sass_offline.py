@@ -103,9 +103,8 @@ def signature(fmt: int) -> dict:
              "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16",
              "kr_ptr": "*bf16", "vr_ptr": "*bf16", "ke_ptr": "*bf16", "ve_ptr": "*bf16", "idx_ptr": "*i32",
              "addr_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
-             "lse_ptr": "*fp32",
-             "tick_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32",
-             "NUM_SPLITS": "i32"}
+             "lse_ptr": "*fp32", "tick_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32", "H": "i32", "HQ": "i32",
+             "E_CAP": "i32", "EXT_ADD": "i32", "NUM_SPLITS": "i32"}
     if fmt == FMT_INT8:
         types["ks_ptr"] = types["vs_ptr"] = "*fp16"
     return types
@@ -116,7 +115,8 @@ def signature(fmt: int) -> dict:
 _QUEST_HEAD = {"q_ptr": "*bf16", "meta_ptr": "*i32", "k_ptr": "*bf16", "v_ptr": "*bf16", "sel_ptr": "*i32",
                "ke_ptr": "*bf16", "ve_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                "addr_ptr": "*i64"}
-_QUEST_TAIL = {"qk_scale": "fp32", "softcap": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32", "K_SEL": "i32"}
+_QUEST_TAIL = {"qk_scale": "fp32", "softcap": "fp32", "H": "i32", "HQ": "i32", "E_CAP": "i32", "EXT_ADD": "i32",
+               "K_SEL": "i32"}
 _FUSED_ARGS = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "tick_ptr": "*i32"}  # the fused merge's outputs
 _SCORE_ARGS = {"q_ptr": "*bf16", "meta_ptr": "*i32", "pmin_ptr": "*bf16", "pmax_ptr": "*bf16", "addr_ptr": "*i64",
                "out_ptr": "*fp32", "H": "i32", "HQ": "i32", "HC": "i32", "P_MAX": "i32", "PAGE_SIZE": "i32"}
@@ -198,7 +198,8 @@ def compile_any(name: str, arch: int = 90):
         return compile_kernel(fn, types, constexprs, warps, stages, arch), warps, bn
     _, _, _, _, bn, warps, _ = VARIANTS[base]
     return compile_variant(base, arch=arch, fused="_fused" in flags, off32="_off64" not in flags,
-                           addr="_addr" in flags, int8_query="_q8" in flags, softcap="_softcap" in flags), warps, bn
+                           addr="_addr" in flags, int8_query="_q8" in flags,
+                           softcap="_softcap" in flags), warps, bn
 
 
 def split_name(name: str) -> tuple[str, set]:

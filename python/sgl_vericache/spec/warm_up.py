@@ -6,10 +6,11 @@ several read in place through their address table), and the split merge for ever
 count a launch picks. Left to the first requests, those compiles (seconds each on a first
 start; Triton caches them on disk for the next) land inside their draft rounds. ``warm_up``
 runs a small draft round per compressor through a throwaway ``CompressedKVStore`` of one
-layer, with the model's head layout, dtypes and logit soft cap, so the rounds that follow find every
-variant they launch already compiled: kernel variants depend on the head layout, dtypes,
-soft cap, sinks and compressor options, never on the lengths a round sees (the kernels do not specialize on
-them; test/kernel_checks.py's warm-up cases compare Triton's own cache keys).
+layer, with the model's head layout, dtypes and logit soft cap, so the rounds that follow
+find every variant they launch already compiled: kernel variants depend on the head layout,
+dtypes, soft cap, sinks and compressor options, never on the lengths a round sees (the
+kernels do not specialize on them; test/kernel_checks.py's warm-up cases compare Triton's
+own cache keys).
 
 ``warm_verify`` does the same for the verify kernel (kernels/verify.py), whose variants
 depend on the head layout, dtypes, whether the model soft-caps its attention scores (or has
