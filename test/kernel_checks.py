@@ -517,6 +517,9 @@ def all_cases() -> list[Case]:
         dev, softcap=1.0), family="store", tags=("window", "softcap")))
     cases.append(Case("warm-up compiles what rounds launch: sliding-window layers", check_window_warm_up,
                       family="store", tags=("window", "warm")))
+    cases.append(Case("warm-up compiles what rounds launch: sliding-window layers with a soft cap",
+                      lambda dev: check_window_warm_up(dev, softcap=30.0), family="store",
+                      tags=("window", "warm", "softcap")))
     cases.append(Case("store rounds kivi4+snapkv bf16", lambda dev: check_store_rounds(
         ("kivi4", "snapkv"), dev, torch.bfloat16), family="store", tags=("kivi4", "snapkv")))
     for methods in (("kivi4", "streamingllm"), ("quest", "snapkv", "h2o"), ("int8", "fp8", "kivi2", "full")):

@@ -247,15 +247,16 @@ def _sinks(num_q_heads: int, seed: int, device) -> torch.Tensor:
     return (2.0 + 2.0 * torch.randn(num_q_heads, generator=_gen(seed))).to(torch.bfloat16).to(device)
 
 
-def check_window_warm_up(device) -> float:
+def check_window_warm_up(device, softcap: float = 0.0) -> float:
     """spec.warm_up with sliding-window layers compiles what their rounds launch on the
     decode kernel: rounds of other lengths, batches, windows and steps launch no kernel
-    whose Triton cache key the warm-up did not."""
+    whose Triton cache key the warm-up did not; ``softcap``: for a model that soft-caps its
+    scores at that cap (Gemma 2's window layers)."""
     from sgl_vericache.spec.warm_up import HeadLayout, warm_up
     from sgl_vericache.spec.window_draft import WindowedDraft
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    layout = HeadLayout(6, 2, 64, dtype, dtype)
+    layout = HeadLayout(6, 2, 64, dtype, dtype, logit_cap=softcap)
     with LaunchKeys() as warm:
         assert warm_up([], layout, device, draft_kernels=True, lengths=(120, 70), windows=True) is not None
     compiled = _compiled_count(device)
@@ -271,7 +272,7 @@ def check_window_warm_up(device) -> float:
                 q = torch.randn(len(verified), 6, 64, generator=g).to(dtype).to(device)
                 kn, vn = (torch.randn(len(verified), 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
                 for layer in (0, 1):
-                    draft.attend(layer, q, kn, vn, 0.125)
+                    draft.attend(layer, q, kn, vn, 0.125, None, softcap or None)
             draft.end_round()
     return _all_warmed(warm, real, device, compiled)
 
