@@ -20,37 +20,13 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor, full_nbytes
+from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor, attention, full_nbytes
 
 # (layer_id, start, end) -> (k, v), each [end - start, H_kv, D]: verified KV of a request
 ReadKV = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
 _ROW_ALIGN = 64  # buffer rows are allocated in multiples of this, so small growth reuses them
 _GROW_ROOM = 8  # a grown buffer has 1/_GROW_ROOM of its rows spare (see _grow)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-              sinks: Optional[torch.Tensor] = None, cap: Optional[float] = None) -> torch.Tensor:
-    """SDPA with GQA (q [B, H_q, L_q, D]; k, v [B, H_kv, L, D]; mask broadcastable to
-    [B, H_q, L_q, L], True where seen, or None), written out for what SDPA has no argument
-    for: ``sinks`` [H_q] (a layer's attention sinks: gpt-oss, Granite-SWA), one more term
-    exp(sink) in each query head's softmax denominator, and ``cap`` (Gemma 2, Grok), scores
-    cap * tanh(score / cap), as the target's decode applies them. Drafts and verify's torch
-    path share it."""
-    if sinks is None and cap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = q @ k.transpose(-1, -2) * scale  # [B, H_q, L_q, L]
-    if cap is not None:
-        scores = cap * torch.tanh(scores / cap)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        return torch.softmax(scores, -1) @ v
-    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
-    return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 
 from sgl_vericache.kernels import draft_head_dim
 
-from .drafter import attention
+from sgl_vericache.mem_cache.compress import attention
 
 KVBuffers = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 

@@ -7,7 +7,7 @@
     comp.achieved_ratio(entry)
 """
 
-from .base import CompressedLayer, CompressorConfig, KVCompressor, OptionSpec, causal_attention, full_nbytes
+from .base import CompressedLayer, CompressorConfig, KVCompressor, OptionSpec, attention, causal_attention, full_nbytes
 from .registry import (
     available_compressors,
     build_compressor,
@@ -22,6 +22,7 @@ __all__ = [
     "CompressorConfig",
     "KVCompressor",
     "OptionSpec",
+    "attention",
     "available_compressors",
     "build_compressor",
     "causal_attention",

@@ -129,6 +129,29 @@ def check_append(layer: CompressedLayer, k: torch.Tensor, v: torch.Tensor) -> No
         )
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              sinks: torch.Tensor | None = None, cap: float | None = None) -> torch.Tensor:
+    """SDPA with GQA (q [B, H_q, L_q, D]; k, v [B, H_kv, L, D]; mask broadcastable to
+    [B, H_q, L_q, L], True where seen, or None), written out for what SDPA has no argument
+    for: ``sinks`` [H_q] (a layer's attention sinks: gpt-oss, Granite-SWA), one more term
+    exp(sink) in each query head's softmax denominator, and ``cap`` (Gemma 2, Grok), scores
+    cap * tanh(score / cap), as the target's decode applies them. Drafts, verify's torch path
+    and the compressors' reference (causal_attention) share it."""
+    if sinks is None and cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) * scale  # [B, H_q, L_q, L]
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, -1) @ v
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
+
+
 def causal_attention(
     q: torch.Tensor,  # [S, H_q, D]
     k: torch.Tensor,  # [N, H_kv, D] compressed part: visible to every query
@@ -154,17 +177,8 @@ def causal_attention(
     visible = None
     if mask is not None or (num_q > 1 and num_extra > 0):
         visible = _visibility(num_q, num_q_heads, k.shape[0], num_extra, mask, q.device)
-    qt, kt, vt = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
-    if softcap:  # written out: SDPA has no cap
-        group = num_q_heads // k.shape[1]
-        scores = qt @ kt.repeat_interleave(group, 0).transpose(-1, -2) * scale  # [H_q, S, N+E]
-        scores = softcap * torch.tanh(scores / softcap)
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-        out = torch.softmax(scores, -1) @ vt.repeat_interleave(group, 0)
-    else:
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=visible, scale=scale,
-                                             enable_gqa=True)  # [H_q, S, D]
+    out = attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
+                    None if visible is None else visible[None], scale, cap=softcap or None)[0]  # [H_q, S, D]
     if visible is not None:
         out = out.nan_to_num(0.0)  # rows that see nothing
     return out.transpose(0, 1).to(q.dtype)
