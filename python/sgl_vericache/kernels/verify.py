@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import triton_verify as tv
-from .ops import LOG2E, _combine, _partials, _pow2, choose_splits, dot_modes
+from .ops import LOG2E, _combine, _partials, _pow2, check_softcap, choose_splits, dot_modes
 
 VERIFY_QUERY_ROWS = 128  # the most query rows (block tokens x GQA heads) one program holds
 VERIFY_BLOCK_N = 32
@@ -93,14 +93,15 @@ def verify_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             raise ValueError(f"verify kernel: a mask of shape {tuple(mask.shape)} for {bs} x {tokens} tokens")
         mask = mask.to(device=device, dtype=torch.uint8).contiguous()
     rnd, dot = dot_modes(q.dtype, k_buffer.dtype)
+    cap = check_softcap(softcap)
     q = q.reshape(bs * tokens, num_q_heads, head_dim).contiguous()
     m, l, acc = _partials(bs * tokens, num_q_heads, splits, dp, device)
     tv._verify_split_kernel[(bs * chunks, num_kv_heads, splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, live, mask if tree else live,
         m, l, acc, scale * LOG2E, tokens, num_kv_heads, num_q_heads, splits, req_to_token.stride(0),
-        (softcap or 0.0) * LOG2E, -1 if window is None else int(window),
+        cap * LOG2E, -1 if window is None else int(window),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        GROUP=group, QP=qp, D=head_dim, DP=dp, BN=block_n, ROUND=rnd, DOT=dot, TREE=tree, SOFTCAP=bool(softcap),
+        GROUP=group, QP=qp, D=head_dim, DP=dp, BN=block_n, ROUND=rnd, DOT=dot, TREE=tree, SOFTCAP=cap > 0,
         num_warps=num_warps or (4 if qp <= 64 else 8), num_stages=num_stages,
     )
     out = _combine(m, l, acc, q.dtype, False, sinks)
