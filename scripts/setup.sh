@@ -16,6 +16,18 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python"
     say "environment up to date ($VENV)"
 else
     start=$(date +%s)
+    # A full install is about 11 GB (torch's CUDA libraries alone 4 GB). Out of space, pip
+    # stops midway with "[Errno 28] No space left on device"; say so before starting.
+    need_kb=$((12 * 1024 * 1024))
+    [ -d "$VENV" ] && need_kb=$((need_kb - $(du -sk "$VENV" | cut -f1)))
+    [ "$need_kb" -lt $((1024 * 1024)) ] && need_kb=$((1024 * 1024))
+    free_kb=$(df -Pk "$ROOT" 2>/dev/null | awk 'NR == 2 {print $4}')
+    if [ -n "$free_kb" ] && [ "$free_kb" -lt "$need_kb" ] && [ "${VERICACHE_SKIP_DISK_CHECK:-0}" != 1 ]; then
+        say "ERROR: installing into $VENV needs about $(((need_kb + 1048575) / 1048576)) GiB free; the disk" \
+            "holding $ROOT has $((free_kb / 1048576)) GiB. Free some space and run this again" \
+            "(or set VERICACHE_SKIP_DISK_CHECK=1 to try anyway)."
+        exit 1
+    fi
     [ -x "$VENV/bin/python" ] || { say "creating $VENV with $PY_BIN"; "$PY_BIN" -m venv "$VENV"; }
     PIP=("$VENV/bin/python" -m pip install --progress-bar off --disable-pip-version-check)
     # torch and torchvision as a matched pair first: sglang pins torch 2.14.1 and a
