@@ -66,6 +66,27 @@ class _Seam:
     def agree(self, values):
         return tuple(values)
 
+    def build_parking(self, reserve_limit):
+        """The real parking over a pool of slots: batch row r's positions at slots r * 600 + i,
+        the rest of the pool free for loads to land in."""
+        from sgl_vericache.mem_cache.full_kv_parking import FullKVParking
+
+        pool = torch.zeros(LAYERS, 2, 8 * 600, H_KV, D)
+        req_to_token = torch.arange(4 * 600, dtype=torch.int32).reshape(4, 600)
+        free = list(range(4 * 600, 8 * 600))
+
+        def alloc(n):
+            if len(free) < n:
+                return None
+            out = torch.tensor(free[:n], dtype=torch.int64)
+            del free[:n]
+            return out
+
+        parking = FullKVParking(lambda l: pool[l, 0], lambda l: pool[l, 1], LAYERS, req_to_token, alloc,
+                                lambda slots: free.extend(slots.tolist()))
+        parking.reserve_limit = reserve_limit
+        return parking
+
     def abort(self, req, message, status=400):
         raise AssertionError(message)
 
@@ -80,8 +101,9 @@ def _req(rid, prompt):
                            sampling_params=params, cached_tokens=0)
 
 
-def _speculator(seam):
-    vc = VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=4, adaptive=False, compressed_cache_mb=0)
+def _speculator(seam, full_device_budget=-1):
+    vc = VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=4, adaptive=False, compressed_cache_mb=0,
+                         full_device_budget=full_device_budget)
     return Speculator(vc, seam, Stats(False), torch.Generator().manual_seed(0))
 
 
@@ -124,6 +146,33 @@ def test_a_round_out_of_memory_verifies_its_roots_then_pauses(where, caplog):
     assert plain == [0] * round_mod.OUT_OF_MEMORY_PAUSE  # decoding plainly for a while, then drafting again
     again = _round(spec, reqs)
     assert list(again.tokens.reshape(3, 5)[2]) == [7, 5, 5, 5, 5] and len(spec.store) == 3
+
+
+def test_paused_with_parked_full_kv_rounds_verify_their_roots_alone():
+    """With a full-KV device budget, a plain step would attend over the slots parking freed
+    (only a round loads parked KV back): the pause after running out of memory is rounds of
+    width 1 (the roots alone, one token a row), no entry rebuilt, the parked request still
+    parked, and drafting resumes after it."""
+    seam = _Seam()
+    spec = _speculator(seam, full_device_budget=0)
+    reqs = [_req("a", 300), _req("b", 200)]
+    first = _round(spec, reqs)
+    assert first.width == 5 and spec.parking.is_parked("b") and not spec.parking.is_parked("a")
+    seam.passes.oom = True
+    failed = _round(spec, reqs)
+    assert (failed.tokens.reshape(2, 5) == 7).all() and len(spec.store) == 0
+    seam.passes.oom = False
+    plain_before = spec.stats.totals.get("plain_iterations", 0)
+    for _ in range(round_mod.OUT_OF_MEMORY_PAUSE):
+        width = spec.begin_iteration(reqs, [300, 200], max_width=5)
+        assert width == 1  # before: 0, a plain step with "b"'s KV parked and its slots freed
+        out = spec.draft_round(_batch(reqs), width)
+        assert list(out.tokens) == [7, 7] and spec.lens == [0, 0] and len(spec.store) == 0
+        assert spec.parking.is_parked("b")
+        spec.close_round()
+    assert spec.stats.totals.get("plain_iterations", 0) == plain_before
+    again = _round(spec, reqs)
+    assert again.width == 5 and list(again.tokens.reshape(2, 5)[0]) == [7, 5, 5, 5, 5] and len(spec.store) == 2
 
 
 def test_a_sampled_round_out_of_memory_still_accepts_by_sampling():

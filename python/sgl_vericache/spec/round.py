@@ -170,6 +170,7 @@ class Speculator:
         # first round of a request compresses its whole prompt), and of its draft forwards alone
         self.setup_seconds = self.forward_seconds = 0.0
         self.paused = 0  # plain iterations left after drafting ran out of device memory
+        self.roots_alone = False  # this round, paused so, verifies its roots alone (parked full KV)
         # sliding-window layers draft over the full KV pool's last window tokens (spec/window_draft.py),
         # unless full KV may be parked in host memory
         self.windowed = None
@@ -331,8 +332,14 @@ class Speculator:
         queued = self.fetch_drafter.queue if self.fetch_drafter is not None else ()
         if self.paused and not must_round:  # drafting ran out of device memory a moment ago
             self.paused -= 1
-            self.stats.add("plain_iterations", 1)
-            return 0
+            if self.vc.full_device_budget < 0:
+                self.stats.add("plain_iterations", 1)
+                return 0
+            # Parked full KV comes back only in a round (a plain step would attend over the
+            # slots parking freed): the round verifies its roots alone, one token a row.
+            self.roots_alone = True
+            self.stats.add("spec_iterations", 1)
+            return 1
         if not self.planner.decide(reqs, verified, queued, must_round):
             self.stats.add("plain_iterations", 1)
             return 0
@@ -356,9 +363,10 @@ class Speculator:
         if any(n < self.planner.draft_len(plan) for n, plan in zip(lens, plans)):
             self.stats.add("context_limited_rounds", 1)  # cut short so no position passes the context
         t_sync = time.perf_counter()
+        failed = self.roots_alone  # paused after running out of memory: no entries, no drafts
         try:
-            self._sync_store(batch, plans)
-            failed = False
+            if not failed:
+                self._sync_store(batch, plans)
         except torch.OutOfMemoryError as exc:
             if not self._out_of_memory(exc):
                 raise
@@ -401,8 +409,10 @@ class Speculator:
 
     def _out_of_memory(self, exc: BaseException) -> bool:
         """Drafting ran out of device memory: the compressed entries (and the prefix cache's)
-        are let go and the next OUT_OF_MEMORY_PAUSE iterations decode plainly; this round
-        verifies its roots alone (one token a row, exactly as plain decoding). Under tensor
+        are let go and the next OUT_OF_MEMORY_PAUSE iterations decode plainly (with parked
+        full KV, ``--vericache-full-device-budget``: rounds that verify their roots alone, since
+        only a round loads parked KV back); this round verifies its roots alone (one token a
+        row, exactly as plain decoding). Under tensor
         parallelism every rank must run the same forwards, and one rank's allocator does not
         tell the others: False there (the caller raises, as before)."""
         if getattr(self.seam, "tp_size", 1) > 1:
@@ -426,7 +436,7 @@ class Speculator:
         """After the iteration's forward, whatever happened: the round's transient state
         goes. Returns the rows that were deferred."""
         deferred, self.deferred = set(self.deferred), ()
-        self.sampled = None
+        self.sampled, self.roots_alone = None, False
         if self.parking is not None:
             self.parking.finish()
         return deferred
