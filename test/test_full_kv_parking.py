@@ -293,6 +293,60 @@ def test_gpu_a_delayed_side_stream_still_writes_the_right_slots():
         assert torch.equal(pool.k[l][0], k) and torch.equal(pool.v[l][0], v), "slot 0 was written"
 
 
+class _HostPool:
+    """A stand-in for HiCache's host pool (``MHATokenToKVPoolHost``): pinned per-layer
+    buffers, consecutive slots from a free list, per-layer loads that read the pinned slots
+    themselves asynchronously; ``free`` zeroes the slots on the host at once, as SGLang's
+    storage prefetch may write a reused slot from its thread, ordered by no CUDA stream."""
+
+    def __init__(self):
+        self.k = [torch.zeros(SLOTS, HEADS, DIM).pin_memory() for _ in range(LAYERS)]
+        self.v = [torch.zeros(SLOTS, HEADS, DIM).pin_memory() for _ in range(LAYERS)]
+        self.next = 0
+
+    def alloc(self, n):
+        start, self.next = self.next, self.next + n
+        return torch.arange(start, start + n)
+
+    def free(self, host):
+        for buf in (*self.k, *self.v):
+            buf[host] = 0.0
+
+    def backup_from_device_all_layer(self, device_pool, host, device, io_backend):
+        for l in range(LAYERS):
+            self.k[l][host] = device_pool.k[l][device].cpu()
+            self.v[l][host] = device_pool.v[l][device].cpu()
+
+    def load_to_device_per_layer(self, device_pool, host, device, layer, io_backend):
+        lo, hi = int(host[0]), int(host[-1]) + 1  # a view of the pinned slots: the copy reads them late
+        device_pool.k[layer][device] = self.k[layer][lo:hi].to(device_pool.device, non_blocking=True)
+        device_pool.v[layer][device] = self.v[layer][lo:hi].to(device_pool.device, non_blocking=True)
+
+
+@_gpu
+def test_gpu_host_pool_slots_are_freed_only_after_their_copies_ran():
+    """Parked in the host pool, the load's copies read its pinned slots on the side stream;
+    ``finish`` frees the slots, and the pool may hand them to a writer no stream orders. With
+    the side stream held back, the copies run after ``finish`` returned unless it waits for
+    them: before it did, they loaded the zeros the next writer left."""
+    from sgl_vericache.mem_cache.full_kv_parking import HostPoolStore
+
+    pool = Pool("cuda")
+    pool.fill_row(0, 24)
+    before = pool.row_kv(0, 0, 24)
+    parking = pool.parking(host_pool=HostPoolStore(_HostPool(), pool, "direct"))
+    parking.park("a", 0, 0, 24)
+    assert parking.stats.parks_in_host_pool == 1
+    with torch.cuda.stream(parking._stream):
+        torch.cuda._sleep(50_000_000)  # ~25-50 ms of GPU clock: the host runs ahead
+    parking.start_loads({"a": 0})
+    for layer in range(LAYERS):
+        parking.wait_layer(layer)
+    parking.finish()
+    torch.cuda.synchronize()
+    assert _same(before, pool.row_kv(0, 0, 24)), "the load read host slots freed (and rewritten) before it ran"
+
+
 if __name__ == "__main__":  # without pytest (a bare GPU machine): the GPU tests, and two CPU ones that need no pytest
     cpu = (test_park_then_load_is_bit_identical_and_frees_then_retakes_slots,
            test_a_load_holds_the_slots_its_copies_write_until_finish)

@@ -318,6 +318,10 @@ class FullKVParking:
             load.thread.join()
         elif self.on_cuda:
             torch.cuda.current_stream(self.device).wait_event(load.done[-1])
+            if any(getattr(self.parked.get(rid), "store", None) is self.host_pool for rid in load.rids):
+                # HiCache's host pool hands freed slots out again at once, to writers no CUDA
+                # stream orders (its storage prefetch, on a thread): the copies must be done.
+                load.done[-1].synchronize()
         for rid in load.rids:
             self._drop(rid)
         if load.error:
