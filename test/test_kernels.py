@@ -440,6 +440,7 @@ def test_sinks_are_converted_once_while_they_are_unchanged():
     """A bf16 model's attention sinks become the merge's fp32 once, not at every merge (each
     layer of each draft step and verify); a weight update in place is seen at the next merge,
     and fp32 sinks already on the device are read as they are."""
+    from sgl_vericache.cpu.linear import weights_updated
     from sgl_vericache.kernels import ops
 
     sinks = torch.tensor([0.5, -1.25, 3.0, 2.0], dtype=torch.bfloat16)
@@ -450,6 +451,11 @@ def test_sinks_are_converted_once_while_they_are_unchanged():
         sinks.add_(1.0)  # e.g. /update_weights_from_disk loading in place
     again = ops.check_sinks(sinks, 4, "cpu")
     assert again is not first and torch.equal(again, sinks.float())
+    param = torch.nn.Parameter(sinks.clone(), requires_grad=False)
+    held = ops.check_sinks(param, 4, "cpu")
+    param.data.copy_(torch.full((4,), 3.0))  # as SGLang's loaders write weights: the version stays
+    weights_updated()  # what the weight-update hook does after SGLang's update_weights_*
+    assert torch.equal(ops.check_sinks(param, 4, "cpu"), torch.full((4,), 3.0)), held
     fp32 = torch.zeros(4)
     assert ops.check_sinks(fp32, 4, "cpu") is fp32
     with pytest.raises(ValueError, match=r"attention sinks of shape \(3,\): accepted: \[4\]"):

@@ -454,7 +454,8 @@ def _combine(m, l, acc, dtype, return_lse, sinks: Optional[torch.Tensor] = None)
     return (out, lse) if return_lse else out
 
 
-# (address, device) of a model's sinks -> (the sinks, their version, their fp32 copy): see check_sinks
+# (address, device) of a model's sinks -> (the sinks, their version, the weights' generation, their fp32
+# copy): see check_sinks
 _SINKS_FP32: dict = {}
 _SINKS_FP32_MAX = 1024  # layers' worth; past it the cache starts over
 
@@ -462,9 +463,13 @@ _SINKS_FP32_MAX = 1024  # layers' worth; past it the cache starts over
 def check_sinks(sinks: torch.Tensor, num_q_heads: int, device) -> torch.Tensor:
     """A layer's attention sinks as the merge reads them: [H_q] fp32 (a model holds them in
     bf16 or fp32: one kernel variant for both), contiguous, on ``device``. A conversion is
-    kept while the sinks are unchanged (the same tensor at the same version: a weight update
-    in place bumps the version), so a bf16 model (gpt-oss, Granite-SWA on most backends) pays
-    one cast a layer, not one per merge (every layer of every draft step and verify)."""
+    kept while the sinks are unchanged: the same tensor at the same version and weights
+    generation (SGLang's loaders write ``param.data``, which leaves the version as it was, and
+    its weight updates bump the generation: ``sglang/linear.install_weight_update_hook``). So
+    a bf16 model (gpt-oss, Granite-SWA on most backends) pays one cast a layer, not one per
+    merge (every layer of every draft step and verify)."""
+    from sgl_vericache.cpu.linear import weights_generation
+
     if sinks.dim() != 1 or sinks.shape[0] != num_q_heads:
         raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: accepted: [{num_q_heads}], one a query head")
     device = torch.device(device)
@@ -472,14 +477,15 @@ def check_sinks(sinks: torch.Tensor, num_q_heads: int, device) -> torch.Tensor:
         return sinks
     key = (sinks.data_ptr(), str(device))
     held = _SINKS_FP32.get(key)
-    if held is not None and held[0] is sinks and held[1] == sinks._version:
+    state = (sinks._version, weights_generation())
+    if held is not None and held[0] is sinks and held[1] == state:
         return held[2]
     converted = sinks.to(device=device, dtype=torch.float32).contiguous()
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return converted  # a graph's own memory: not kept past its capture
     if len(_SINKS_FP32) >= _SINKS_FP32_MAX:
         _SINKS_FP32.clear()
-    _SINKS_FP32[key] = (sinks, sinks._version, converted)  # held: its memory cannot be reused meanwhile
+    _SINKS_FP32[key] = (sinks, state, converted)  # held: its memory cannot be reused meanwhile
     return converted
 
 
