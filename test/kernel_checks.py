@@ -39,7 +39,7 @@ from sgl_vericache.kernels.packing import pack, paged_pool  # noqa: E402
 from sgl_vericache.mem_cache.compress import causal_attention, get_compressor  # noqa: E402
 
 from kernel_fixtures import KIVI, SMALL, TOL, Case, Shape, _close, _gen, _kv  # noqa: E402,F401
-from kernel_store_checks import (check_store_rounds, check_warm_up, check_window_rounds,  # noqa: E402
+from kernel_store_checks import (check_mixed_packing, check_store_rounds, check_warm_up, check_window_rounds,  # noqa: E402
                                  check_window_warm_up)
 from kernel_verify_checks import verify_cases  # noqa: E402
 
@@ -520,6 +520,9 @@ def all_cases() -> list[Case]:
     cases.append(Case("warm-up compiles what rounds launch: sliding-window layers with a soft cap",
                       lambda dev: check_window_warm_up(dev, softcap=30.0), family="store",
                       tags=("window", "warm", "softcap")))
+    for method in ("int8", "kivi4"):
+        cases.append(Case(f"store round {method}: one layer read in place, one copied",
+                          lambda dev, m=method: check_mixed_packing(m, dev), family="store", tags=(method,)))
     cases.append(Case("store rounds kivi4+snapkv bf16", lambda dev: check_store_rounds(
         ("kivi4", "snapkv"), dev, torch.bfloat16), family="store", tags=("kivi4", "snapkv")))
     for methods in (("kivi4", "streamingllm"), ("quest", "snapkv", "h2o"), ("int8", "fp8", "kivi2", "full")):

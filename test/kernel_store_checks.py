@@ -75,6 +75,51 @@ def check_store_rounds(methods: tuple[str, ...], device, dtype=torch.float32, si
     return err
 
 
+def _off_by_8(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied to an address 8 bytes past a 16-byte boundary."""
+    buf = torch.empty(t.numel() * t.element_size() + 8, dtype=torch.uint8, device=t.device)
+    out = buf[8:].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def check_mixed_packing(method: str, device) -> float:
+    """A round whose layers pack differently: layer 0's entries read in place, layer 1's
+    copied end to end (one entry's tensors off 16 bytes, which the kernels cannot read in
+    place), so their row tables differ (all starts 0 against cumulative). Until 2026-12-06
+    one table, layer 0's, served every layer: row 1 read row 0's entry at layer 1."""
+    from dataclasses import fields, replace
+
+    from sgl_vericache.spec.drafter import CompressedKVStore
+
+    shape = Shape((0,), kv_heads=2, group=3)
+    comp = _round_methods((method,))[method]
+    stores = [CompressedKVStore(comp, num_layers=2, draft_kernels=flag) for flag in (False, True)]
+    kv = [tuple(t.to(device) for t in _kv(n, shape, 500 + n)) for n in (60, 37)]
+    for st in stores:
+        for rid, (k, v) in enumerate(kv):
+            st.sync(rid, k.shape[0], lambda _, a, b, k=k, v=v: (k[a:b], v[a:b]))
+    entry = stores[1]._entries[1]
+    layer = entry.layers[1]
+    entry.layers[1] = replace(layer, **{f.name: _off_by_8(getattr(layer, f.name)) for f in fields(layer)
+                                        if isinstance(getattr(layer, f.name), torch.Tensor)})
+    g = _gen(61)
+    q = torch.randn(2, 2, 6, 64, generator=g).to(device)
+    kn, vn = (torch.randn(2, 2, 2, 64, generator=g).to(device) for _ in range(2))
+    outs = []
+    for st in stores:
+        st.begin_round([0, 1], 2)
+        outs.append(torch.stack([st.attend(layer_id, q[s], kn[s], vn[s], 0.125) for s in range(2)
+                                 for layer_id in (0, 1)]))
+    packed = stores[1]._kernel_round._packed
+    assert packed[0][0].addresses is not None and packed[1][0].addresses is None, "the layers packed alike"
+    err = _close(outs[1], outs[0], torch.float32, f"mixed packing {method}")
+    for rid in (0, 1):
+        for st in stores:
+            st.release(rid)
+    return err
+
+
 def _kernel_modules() -> dict:
     from sgl_vericache.kernels import triton_decode, triton_quest, triton_verify
 

@@ -19,7 +19,7 @@ from sgl_vericache.mem_cache.compress import CompressedLayer, KVCompressor
 
 from . import draft_head_dim, ops
 from .flashinfer_backend import FlashInferDecode
-from .packing import FMT_DENSE, PackedKV, RowTable, pack, supports
+from .packing import FMT_DENSE, PackedKV, RowTable, pack, supports, upload
 
 _ROUND_IDS = itertools.count()  # names a round's FlashInfer plan
 
@@ -41,9 +41,12 @@ class KernelDraftRound:
             else:
                 self._groups.append((comp, [b]))
         self._packed: list[Optional[list[PackedKV]]] = [None] * num_layers  # built at a layer's first step
-        self._tables: list[Optional[RowTable]] = [None] * len(self._groups)
+        # per group, its row tables by the packing's starts (read in place: all 0; copied: cumulative)
+        self._tables: list[dict] = [{} for _ in self._groups]
         self._lens: Optional[list] = None  # per group (main_len, rec_len, pages_read) of the first packed layer
-        self._index = [torch.tensor(m, device=self.device) for _, m in self._groups]
+        # each group's batch rows, for a batch of several groups (a pageable copy would wait for
+        # every kernel queued: through pinned memory, as the row tables go)
+        self._index = [upload(torch.tensor(m), self.device) for _, m in self._groups] if len(self._groups) > 1 else []
         shape = (len(rows), steps, self.num_kv_heads, self.head_dim)
         self._k_extra = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         self._v_extra = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
@@ -97,7 +100,7 @@ class KernelDraftRound:
             members = self._groups[g][1]
             return fi.decode((self._id, g), packed, range(len(members)), q, scale, self._k_extra[layer_id],
                              self._v_extra[layer_id], members, [seen] * len(members))
-        return self._launch(packed, q, scale, self._table(g), layer_id, seen, sinks, softcap)
+        return self._launch(packed, q, scale, self._table(g, packed), layer_id, seen, sinks, softcap)
 
     def attend_tokens(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       scale: float, sinks: Optional[torch.Tensor] = None,
@@ -130,13 +133,16 @@ class KernelDraftRound:
             self._packed[layer_id] = packed
         return self._packed[layer_id]
 
-    def _table(self, g: int) -> RowTable:
-        """Group g's row table; every layer's entries have the same lengths (``_layer``
-        checks), so one table serves all layers."""
-        if self._tables[g] is None:
-            packed = next(p for p in self._packed if p is not None)[g]
-            self._tables[g] = packed.rows(ext_row=self._groups[g][1])
-        return self._tables[g]
+    def _table(self, g: int, packed: PackedKV) -> RowTable:
+        """Group g's row table for this layer's packing. Every layer's entries have the same
+        lengths (``_layer`` checks), so one table serves every layer packed alike; a layer
+        whose entries could not be read in place (an address off 16 bytes: copied end to
+        end) has other starts, and a table of its own."""
+        key = (tuple(packed.main_start), tuple(packed.rec_start), tuple(packed.page_start))
+        table = self._tables[g].get(key)
+        if table is None:
+            table = self._tables[g][key] = packed.rows(ext_row=self._groups[g][1])
+        return table
 
 
 def _reference(rows) -> tuple[int, int, torch.dtype, torch.device]:
