@@ -345,6 +345,7 @@ def test_gpu_host_pool_slots_are_freed_only_after_their_copies_ran():
     parking.finish()
     torch.cuda.synchronize()
     assert _same(before, pool.row_kv(0, 0, 24)), "the load read host slots freed (and rewritten) before it ran"
+    assert 0 < parking.stats.load_seconds < 1.0, parking.stats  # the copies' GPU time, from their events
 
 
 if __name__ == "__main__":  # without pytest (a bare GPU machine): the GPU tests, and two CPU ones that need no pytest

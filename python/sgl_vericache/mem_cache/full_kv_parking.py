@@ -133,6 +133,7 @@ class _Load:
     # last copy before letting go, so what reuses the memory then runs after them.
     plans: list = field(default_factory=list)
     done: list = field(default_factory=list)  # CPU: threading.Event per layer; CUDA: torch.cuda.Event
+    started: Optional[object] = None  # CUDA: a timing event recorded on the side stream before the copies
     error: list = field(default_factory=list)
     thread: Optional[threading.Thread] = None
 
@@ -146,8 +147,11 @@ class ParkingStats:
     loaded_tokens: int = 0
     bytes_to_host: int = 0
     bytes_to_device: int = 0
-    wait_seconds: float = 0.0  # verify's wait for layers still loading
-    load_seconds: float = 0.0  # the copies themselves (background)
+    # verify's wait for layers still loading (CUDA: the host's, near 0: the wait is the GPU's)
+    wait_seconds: float = 0.0
+    # the copies themselves (background; CUDA: GPU time from the side stream's timing events,
+    # counted once they have completed, at a later finish() when not yet)
+    load_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -175,6 +179,7 @@ class FullKVParking:
         self.tensors = TensorStore(key_buffer, value_buffer, num_layers, pin=self.on_cuda)
         self.host_pool = host_pool
         self.reserve_limit: Optional[int] = None  # tokens one round loads at most (None: all parked)
+        self._timings: list = []  # CUDA: (start, end) timing events of finished loads, not yet read
 
     # -- bookkeeping ----------------------------------------------------------------------
     @property
@@ -285,15 +290,25 @@ class FullKVParking:
             self.stats.load_seconds += time.perf_counter() - t0
 
     def _load_on_stream(self, load: _Load) -> None:
-        t0 = time.perf_counter()
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
+            load.started = torch.cuda.Event(enable_timing=True)
+            load.started.record(self._stream)
             for layer in range(self.num_layers):
                 self._copy_layer(layer, load.plans)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=layer == self.num_layers - 1)
                 event.record(self._stream)
                 load.done.append(event)
-        self.stats.load_seconds += time.perf_counter() - t0
+
+    def _count_copy_times(self) -> None:
+        """CUDA: add the GPU time of finished loads whose copies have completed."""
+        pending = []
+        for start, end in self._timings:
+            if end.query():
+                self.stats.load_seconds += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end))
+        self._timings = pending
 
     def wait_layer(self, layer: int) -> None:
         """Before layer ``layer`` reads full KV: wait until this round's loads have it."""
@@ -322,6 +337,8 @@ class FullKVParking:
                 # HiCache's host pool hands freed slots out again at once, to writers no CUDA
                 # stream orders (its storage prefetch, on a thread): the copies must be done.
                 load.done[-1].synchronize()
+            self._timings.append((load.started, load.done[-1]))
+            self._count_copy_times()
         for rid in load.rids:
             self._drop(rid)
         if load.error:
