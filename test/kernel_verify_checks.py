@@ -112,19 +112,27 @@ def _kv_pool(k_buffer, v_buffer):
 
 
 def check_verify_backend(shape: Shape, tokens: int, device, skip: tuple[int, ...] = (), seed: int = 3,
-                         window: int | None = None, logit_cap: float = 0.0, sinks: bool = False) -> float:
+                         window: int | None = None, logit_cap: float = 0.0, sinks: bool = False,
+                         full_layout: bool = False) -> float:
     """sglang/attention.py's verify_attention with its kernel on (what CUDA runs) against
     the same call on its torch path, from the same forward batch, chain mask, deferred rows
     and (a layer's ``sliding_window_size``) window; with a ``logit_cap``, as a CUDA backend
-    whose decode caps the scores; with ``sinks``, a layer's attention sinks."""
+    whose decode caps the scores; with ``sinks``, a layer's attention sinks. The verify mask
+    is laid out as NGRAM builds it on CPU ([bs, n, n]), or with ``full_layout`` as on CUDA
+    (each request's [n, prefix + n] rows, prefix all visible)."""
     k_buffer, v_buffer, table, rows, prefix = _pool(shape, tokens, device, seed)
     bs, hq, d = len(shape.lengths), shape.kv_heads * shape.group, shape.head_dim
     q = torch.randn(bs * tokens, hq * d, generator=_gen(seed + 7)).to(shape.dtype).to(device)
     layer = SimpleNamespace(tp_q_head_num=hq, qk_head_dim=d, v_head_dim=d, layer_id=0, scaling=SCALE,
                             sliding_window_size=-1 if window is None else window, is_cross_attention=False,
                             logit_cap=logit_cap)
+    mask = _mask(bs, tokens, False, 0).flatten()
+    if full_layout:
+        chain = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool))
+        mask = torch.cat([torch.cat([torch.ones(tokens, int(p), dtype=torch.bool), chain], 1).flatten()
+                          for p in prefix.cpu()])
     batch = SimpleNamespace(batch_size=bs, seq_lens=prefix, seq_lens_cpu=prefix.cpu(), req_pool_indices=rows,
-                            spec_info=SimpleNamespace(custom_mask=_mask(bs, tokens, False, 0).flatten().to(device)))
+                            spec_info=SimpleNamespace(custom_mask=mask.to(device)))
 
     def backend(kernel: bool):
         return SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k_buffer, v_buffer),
@@ -213,9 +221,11 @@ def check_verify_warm_up(device) -> float:
         assert any(name == "_verify_split_kernel" for name, _ in warm.keys), warm.keys
         compiled = _compiled_count(device)
         with LaunchKeys() as real:
-            for tokens, lengths, skip in ((1, (5,), ()), (3, (40, 17), (0,)), (6, (90, 3, 33), ()), (9, (64, 70), (1,))):
+            for tokens, lengths, skip, full in ((1, (5,), (), False), (3, (40, 17), (0,), False),
+                                                (6, (90, 3, 33), (), True), (9, (64, 70), (1,), False),
+                                                (9, (64, 70), (), True)):  # full: the mask as NGRAM lays it out on CUDA
                 check_verify_backend(Shape(lengths, kv_heads=2, group=4, dtype=dtype), tokens, device, skip=skip,
-                                     logit_cap=cap, sinks=sinks)
+                                     logit_cap=cap, sinks=sinks, full_layout=full)
         missing = real.keys - warm.keys
         assert real.keys and not missing, f"cap {cap} sinks {sinks}: {len(missing)} verify launch variants the warm-up did not " + \
             "compile: " + "; ".join(f"{name} {key[:300]}" for name, key in sorted(missing))

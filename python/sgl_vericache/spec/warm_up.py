@@ -141,8 +141,8 @@ def _warm_window(layout: HeadLayout, device, gen, lengths) -> None:
 
 def warm_verify(layout: HeadLayout, tokens: int, device: torch.device) -> float:
     """Launch the verify kernel once for every query-rows size (its compile-time QP) a
-    verify block of 1 .. ``tokens`` tokens picks, under a verify mask as VERICACHE's
-    rounds pass one, over a small pool in SGLang's layout and dtypes (int32 token table,
+    verify block of 1 .. ``tokens`` tokens picks, with a verify mask and without (a chain:
+    what CUDA rounds pass), over a small pool in SGLang's layout and dtypes (int32 token table,
     int64 lengths and rows), soft-capped as the layout's model caps and with its attention
     sinks if it has them; then the split merge at every split count. Seconds taken."""
     from sgl_vericache.kernels import ops, verify
@@ -161,9 +161,12 @@ def warm_verify(layout: HeadLayout, tokens: int, device: torch.device) -> float:
     prefix = torch.full((1,), 32, dtype=torch.int64, device=device)
     for t in sizes.values():
         q = _randn(gen, (1, t, layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
-        mask = torch.tril(torch.ones(1, t, t, dtype=torch.bool, device=device))
-        verify.verify_attention(q, k, v, table, rows, prefix, layout.head_dim ** -0.5, mask=mask, longest=32 + t,
-                                softcap=layout.logit_cap or None, sinks=layout.sink_values(device))
+        # the mask as the kernel gets it on CPU ([bs, n, n]), and none: on CUDA NGRAM lays its
+        # mask out per request ([n, prefix + n]), which the backend reads as the chain it is
+        for mask in (torch.tril(torch.ones(1, t, t, dtype=torch.bool, device=device)), None):
+            verify.verify_attention(q, k, v, table, rows, prefix, layout.head_dim ** -0.5, mask=mask,
+                                    longest=32 + t, softcap=layout.logit_cap or None,
+                                    sinks=layout.sink_values(device))
     ops.warm_merges(layout.num_q_heads, ops._pow2(layout.head_dim), layout.q_dtype, device, sinks=layout.sinks)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
