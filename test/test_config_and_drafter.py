@@ -438,11 +438,14 @@ def test_draft_passes_move_multimodal_rotary_positions_with_each_step(monkeypatc
         step([4], [23])
     assert [m.tolist() for m in seen] == [[[13, 14, 15]] * 3, [[16]] * 3]
 
+    assert not fb.needs_forward_metadata_init()  # SGLang's own backend does not plan a draft step
     three = passes.one_row()  # a round of three requests, of which rows 0 and 2 draft
+    three.spec_info, three.forward_metadata_ready = SimpleNamespace(name="the last round's NgramVerifyInput"), False
     monkeypatch.setattr(forward_batch_info.ForwardBatch, "init_new", staticmethod(lambda *a, **k: three))
     batch = SimpleNamespace(reqs=[0, 1, 2], multimodal_inputs=[None, mm(5), mm(-3)])
     three.batch_size, three.seq_lens = 3, torch.tensor([4, 5, 6])
     fb = passes.for_rows(batch, [0, 2])
+    assert fb.spec_info is None and not fb.needs_forward_metadata_init()
     seen.clear()
     with passes.run(fb, store=object()) as step:
         step([1, 2], [40, 50])

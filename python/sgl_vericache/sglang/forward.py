@@ -48,7 +48,7 @@ class DraftPasses:
             deltas = mrope_deltas(batch.multimodal_inputs)
             fb.vericache_mrope_deltas = torch.tensor([deltas[i] for i in keep], dtype=torch.int64,
                                                      device=self.model_runner.device)
-        return fb
+        return _needs_no_plan(fb)
 
     def one_row(self, req=None):
         """A DECODE ForwardBatch of one request (``req``: its multimodal positions), placed at
@@ -62,7 +62,7 @@ class DraftPasses:
                           capture_hidden_mode=CaptureHiddenMode.NULL)
         if self.mrope:
             fb.vericache_mrope_deltas = one * mrope_deltas([getattr(req, "multimodal_inputs", None)])[0]
-        return fb
+        return _needs_no_plan(fb)
 
     @staticmethod
     def place(fb, n: int) -> None:
@@ -102,6 +102,18 @@ class DraftPasses:
                 yield forward
         finally:
             rt.draft_weights, rt.drafting = None, False
+
+
+def _needs_no_plan(fb):
+    """A draft batch's attention is the draft backend's, which reads the store and needs no
+    plan; but SGLang's eager decode plans on the model runner's own backend unless the batch
+    says it is planned (as EAGLE's draft batches do). Unmarked, a GPU backend planned every
+    draft step over the scheduler's leftover ``spec_info`` (the last round's
+    NgramVerifyInput): Triton's reads its ``kv_indptr``, which it lacks (the first round
+    failed), FA3 took its draft-decode branch, FlashInfer planned for nothing."""
+    fb.spec_info = None
+    fb.mark_forward_metadata_ready()
+    return fb
 
 
 def mrope_deltas(mm_inputs) -> list[int]:
