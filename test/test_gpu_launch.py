@@ -37,6 +37,22 @@ def test_the_launcher_turns_cuda_graphs_off_with_vericache_on():
     assert "--disable-cuda-graph" not in apply_vericache_flags(VeriCacheConfig(enable=False), ["--model-path", "m"])
 
 
+def test_the_launcher_refuses_graph_flags_that_outrank_disable_cuda_graph():
+    """SGLang lets its per-phase graph selectors win over --disable-cuda-graph: a decode
+    graph would be replayed for the draft passes and verify."""
+    vc = VeriCacheConfig()
+    with pytest.raises(ValueError, match="--cuda-graph-backend-decode full: VERICACHE runs with CUDA graphs off"):
+        apply_vericache_flags(vc, ["--cuda-graph-backend-decode", "full"])
+    with pytest.raises(ValueError, match="--cuda-graph-backend-prefill breakable"):
+        apply_vericache_flags(vc, ["--cuda-graph-backend-prefill=breakable"])
+    with pytest.raises(ValueError, match=r"--cuda-graph-config turns CUDA graphs on \(decode: full\)"):
+        apply_vericache_flags(vc, ["--cuda-graph-config", '{"decode": {"backend": "full", "max_bs": 8}}'])
+    for fine in (["--cuda-graph-backend-decode", "disabled"], ["--cuda-graph-config", '{"decode": {"max_bs": 8}}']):
+        assert apply_vericache_flags(vc, fine).count("--disable-cuda-graph") == 1
+    # speculation off: SGLang's own choice stands
+    assert apply_vericache_flags(VeriCacheConfig(enable=False), ["--cuda-graph-backend-decode", "full"])
+
+
 def test_the_launcher_keeps_window_layers_kv_in_the_full_pool():
     """gpt-oss, Granite-SWA, MiMo-V2, Llama 4, Gemma 4 get SGLang's hybrid sliding-window pool
     by default, which verify cannot read (check_kv_pool refuses it once the model is loaded):

@@ -35,6 +35,7 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
     extra = []
     if vc.full_device_budget >= 0:
         extra = _parking_flags(argv)
+    check_graph_flags(argv)
     if "--disable-cuda-graph" not in argv:
         extra.append("--disable-cuda-graph")  # see check_cuda_graphs
     if "--disable-hybrid-swa-memory" not in argv:
@@ -57,6 +58,33 @@ def check_cuda_graphs(cuda_graphs: bool, device: str) -> None:
         raise ValueError("--speculative-algorithm VERICACHE needs --disable-cuda-graph (draft passes would replay "
                          "graphs captured for the target's attention); python -m sgl_vericache.launch_server "
                          "sets it")
+
+
+def check_graph_flags(argv: list[str]) -> None:
+    """SGLang ranks --disable-cuda-graph below its per-phase selectors: a
+    ``--cuda-graph-backend-decode full`` (or a ``--cuda-graph-config`` naming a backend) would
+    capture graphs anyway. Refused here, before a model loads; the worker checks the engine
+    it got too (``check_cuda_graphs``)."""
+    import json
+
+    for phase in ("decode", "prefill"):
+        flag = f"--cuda-graph-backend-{phase}"
+        value = flag_value(argv, flag)
+        if value is not None and value != "disabled":
+            raise ValueError(f"{flag} {value}: VERICACHE runs with CUDA graphs off (see --disable-cuda-graph); "
+                             f"accepted: disabled, or leave the flag out")
+    raw = flag_value(argv, "--cuda-graph-config")
+    if raw is not None:
+        try:
+            config = json.loads(raw)
+        except ValueError:
+            return  # SGLang's own parser names the bad JSON
+        phases = config.items() if isinstance(config, dict) else ()
+        on = [f"{phase}: {spec.get('backend')}" for phase, spec in phases
+              if isinstance(spec, dict) and spec.get("backend", "disabled") != "disabled"]
+        if on:
+            raise ValueError(f"--cuda-graph-config turns CUDA graphs on ({', '.join(on)}): VERICACHE runs with "
+                             "them off; accepted: backend \"disabled\" for every phase, or no backend key")
 
 
 def check_parallelism(dp_attention: bool, pp_size) -> None:

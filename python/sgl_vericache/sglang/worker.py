@@ -154,6 +154,19 @@ class WorkerSeam:
         return sum(b[0].numel() * b.element_size() for b in bufs if b.dim() > 0 and len(b))
 
 
+def decode_graphs_on(model_runner) -> bool:
+    """Whether the engine replays decode (and verify) forwards from CUDA graphs: a graph
+    runner it built, or SGLang's resolved graph config (a capture it defers to later), not
+    --disable-cuda-graph, which SGLang ranks below its per-phase selectors."""
+    if getattr(model_runner, "decode_cuda_graph_runner", None) is not None:
+        return True
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.runtime_context import get_exec
+
+    config = getattr(getattr(get_exec(), "graph", None), "cuda_graph_config", None)
+    return config is not None and config.decode.backend != Backend.DISABLED
+
+
 class VeriCacheWorker(NGRAMWorker):
     """NGRAM's worker with VeriCache rounds in place of its corpus lookup: SGLang calls in
     (``forward_batch_generation``, ``_prepare_draft_tokens``, ...), the round goes out to
@@ -180,7 +193,7 @@ class VeriCacheWorker(NGRAMWorker):
         self._capturing = {}  # rid -> Req whose prompt queries were captured and not yet used
         self.plain = False  # this iteration decodes plainly (--vericache-adaptive chose no drafts)
         self.grammar_tree_host = None
-        self.cuda_graphs = not getattr(server_args, "disable_cuda_graph", True)
+        self.cuda_graphs = decode_graphs_on(self.model_runner)
         check_cuda_graphs(self.cuda_graphs, self.device)
         check_kv_cache_dtype(self.model_runner.kv_cache_dtype)
         attention.check_attention(self.model_runner.model, self.model_runner.model_config, self.device)
