@@ -124,7 +124,6 @@ _QUEST_KV_ARGS = {**_QUEST_HEAD, **_FUSED_ARGS, **_QUEST_TAIL, "NUM_SPLITS": "i3
 _QUEST_KV = dict(GROUP=4, GP=16, D=128, BN=32, PAGE=16, ROUND=2, DOT=2, FUSED=False, HAS_LSE=False, SP=2)
 QUEST_VARIANTS = {
     "quest_kv": (tq._quest_group_kernel, _QUEST_KV_ARGS, _QUEST_KV, 32, 4, 2),
-    "quest_kv_fused": (tq._quest_group_kernel, _QUEST_KV_ARGS, {**_QUEST_KV, "FUSED": True, "SP": 16}, 32, 4, 2),
     "quest_query": (tq._quest_split_kernel, {**_QUEST_HEAD, **_QUEST_TAIL, "PAGE_SIZE": "i32", "NUM_SPLITS": "i32"},
                     dict(GROUP=4, D=128, BN=64, ROUND=2), 64, 4, 2),
     "page_scores_kv": (tq._page_scores_kernel, _SCORE_ARGS, dict(GROUP=4, PER_KV=True, D=128, BP=64), 0, 4, 2),
@@ -158,7 +157,7 @@ MERGE_VARIANTS = {
 # on the dense kernel; int8 keys against the query's int8 terms, LaunchConfig.int8_query; KIVI
 # int4 codes read as words, LaunchConfig.asm=2: its inline PTX assembled by ptxas)
 DEFAULTS = ["dense", "dense_fused", "kivi4_half_asm", "kivi2_half_asm", "int8_half_asm", "fp8_half_asm",
-            *QUEST_VARIANTS]
+            "quest_kv", "quest_kv_fused", *(n for n in QUEST_VARIANTS if n != "quest_kv")]
 DEFAULTS += [f"{name}_addr" for name in DEFAULTS if name != "dense_fused"] + ["int8_half_asm_q8", "kivi4_half_words"]
 DEFAULTS += list(VERIFY_VARIANTS) + list(MERGE_VARIANTS)
 DEFAULTS += ["dense_softcap", "kivi4_half_asm_softcap", "quest_kv_softcap"]  # a soft-capped model's drafts
@@ -195,6 +194,10 @@ def compile_any(name: str, arch: int = 90):
             constexprs = {**constexprs, "ADDR": "_addr" in flags}
         if "SOFTCAP" in fn.arg_names:
             constexprs = {**constexprs, "SOFTCAP": "_softcap" in flags}
+        if "_fused" in flags:  # split_name takes "_fused" off "quest_kv_fused": put it back
+            if "FUSED" not in fn.arg_names:
+                raise ValueError(f"{name}: {base} has no fused merge")
+            constexprs = {**constexprs, "FUSED": True, "SP": 16}
         return compile_kernel(fn, types, constexprs, warps, stages, arch), warps, bn
     _, _, _, _, bn, warps, _ = VARIANTS[base]
     return compile_variant(base, arch=arch, fused="_fused" in flags, off32="_off64" not in flags,
@@ -272,7 +275,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     int8 = [n for n in VARIANTS if n.startswith("int8")]
     decode = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), "quest_kv", "quest_kv_fused"]
-    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), *QUEST_VARIANTS,
+    every = [*VARIANTS, *(f"{n}_fused" for n in VARIANTS), *(f"{n}_q8" for n in int8), *QUEST_VARIANTS, "quest_kv_fused",
              *VERIFY_VARIANTS, *MERGE_VARIANTS,
              *(f"{n}_off64" for n in decode),
              *(f"{n}_addr" for n in [*decode, "quest_query", "page_scores_kv", "page_scores_query"]),
