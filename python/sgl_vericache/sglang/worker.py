@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from contextlib import nullcontext
 
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
@@ -278,8 +279,12 @@ class VeriCacheWorker(NGRAMWorker):
         is_round = batch.forward_mode.is_decode() and not self.plain
         self.runtime.active_worker = self
         t0 = time.perf_counter()
+        # the verify backend only where it does something (a round's verify, a prefill whose
+        # queries are captured): elsewhere SGLang's own, which some models test for by class at
+        # prefill (Gemma 3 multimodal on Triton builds its image tokens' bidirectional mask)
+        wrap = is_round or capture
         try:
-            with forward_context(ForwardContext(attn_backend=self.verify_backend)):
+            with forward_context(ForwardContext(attn_backend=self.verify_backend)) if wrap else nullcontext():
                 result = super().forward_batch_generation(batch, on_publish, pp_proxy_tensors)
         finally:
             self.runtime.active_worker = None
