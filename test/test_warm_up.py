@@ -157,17 +157,20 @@ def test_the_worker_warms_the_verify_kernel_for_its_longest_block(monkeypatch, c
 
 
 def test_the_verify_warm_up_launches_each_query_rows_size_once(monkeypatch):
-    """warm_verify's launches: one per compile-time query-rows size that blocks of 1 ..
-    tokens pick (the kernel itself runs in kernel_checks' verify family)."""
+    """warm_verify's launches: per compile-time query-rows size that blocks of 1 .. tokens
+    pick, one with a verify mask (as on CPU) and one without (CUDA's rounds: NGRAM's
+    per-request mask layout is read as the chain); the kernel itself runs in kernel_checks'
+    verify family."""
     from sgl_vericache.kernels import verify
     from sgl_vericache.spec.warm_up import warm_verify
 
     launched = []
     monkeypatch.setattr(verify, "verify_attention", lambda q, *a, **kw: launched.append(
-        (q.shape[1], verify.query_rows(3, q.shape[1]), kw["mask"].shape)))
+        (q.shape[1], verify.query_rows(3, q.shape[1]), None if kw["mask"] is None else tuple(kw["mask"].shape))))
     monkeypatch.setattr("sgl_vericache.kernels.ops.warm_merges", lambda *a, **kw: None)
     warm_verify(LAYOUT, 17, torch.device("cpu"))  # group 3: 1-5 tokens 16 rows, 6-10 32, 11-17 64
-    assert launched == [(1, 16, (1, 1, 1)), (6, 32, (1, 6, 6)), (11, 64, (1, 11, 11))], launched
+    assert launched == [(1, 16, (1, 1, 1)), (1, 16, None), (6, 32, (1, 6, 6)), (6, 32, None),
+                        (11, 64, (1, 11, 11)), (11, 64, None)], launched
 
 
 def test_a_layout_that_does_not_divide_names_itself():
