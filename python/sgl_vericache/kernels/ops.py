@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from sgl_vericache.cpu.linear import weights_generation
+
 from . import triton_decode as td
 from . import triton_quest as tq
 from .packing import ADDR_COLS, FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI, META_COLS, PackedKV, RowTable
@@ -468,8 +470,6 @@ def check_sinks(sinks: torch.Tensor, num_q_heads: int, device) -> torch.Tensor:
     its weight updates bump the generation: ``sglang/linear.install_weight_update_hook``). So
     a bf16 model (gpt-oss, Granite-SWA on most backends) pays one cast a layer, not one per
     merge (every layer of every draft step and verify)."""
-    from sgl_vericache.cpu.linear import weights_generation
-
     if sinks.dim() != 1 or sinks.shape[0] != num_q_heads:
         raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: accepted: [{num_q_heads}], one a query head")
     device = torch.device(device)
