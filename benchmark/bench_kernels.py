@@ -19,7 +19,8 @@ of one layer mid-round (16 provisional draft tokens):
            of each shape's tuning time); the rows above time the defaults, what the server runs
 
 Each row: median GPU time (a CUDA graph of the call, L2 flushed before each replay), bytes
-the call reads, achieved GB/s and share of the HBM peak (--hbm-tbps, H200 4.8), and the
+the call reads, achieved GB/s and share of the HBM peak (the device's datasheet figure: H200
+4.8 TB/s, H100 SXM 3.35; --hbm-tbps to override), and the
 speedup over the faster full-KV baseline. The entries are synthetic (random codes and
 scales in each compressor's exact layout): timing does not depend on the values.
 
@@ -56,7 +57,7 @@ from sgl_vericache.kernels import ops  # noqa: E402
 from sgl_vericache.kernels.packing import FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI, PackedKV, paged_pool  # noqa: E402
 from sgl_vericache.mem_cache.compress import get_compressor  # noqa: E402
 
-from gpu_timer import Timer  # noqa: E402 - beside this script
+from gpu_timer import Timer, clock_peak, hbm_peak  # noqa: E402 - beside this script
 
 SHAPES = {"llama3-8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}  # (H_q, H_kv, D)
 # the acceptance combos (32k x 8) first, so a tight time budget still measures them
@@ -539,11 +540,18 @@ def _provenance(device) -> dict:
             "triton": triton.__version__, "python": platform.python_version(), "host": platform.node()}
 
 
+def _clocks(device) -> float | None:
+    """The memory clock x bus width peak, recorded beside the one used, as a cross-check."""
+    return clock_peak(torch.cuda.get_device_properties(device)) if device.type == "cuda" else None
+
+
 def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_out = Path(os.environ["OUT"]) / "bench_kernels.json" if os.environ.get("OUT") else None
     ap.add_argument("--out", type=Path, default=default_out, help="JSON result (default: $OUT/bench_kernels.json)")
-    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="the device's HBM peak, TB/s (H200: 4.8)")
+    ap.add_argument("--hbm-tbps", type=float, default=None,
+                    help="the device's HBM peak, TB/s (default: its datasheet figure by name, H200 4.8, "
+                         "H100 SXM 3.35; else memory clock x bus width)")
     ap.add_argument("--budget-s", type=float, default=300, help="stop starting new combinations after this")
     ap.add_argument("--tune-budget-s", type=float, default=150, help="stop the launch search after this")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per measurement (median)")
@@ -553,6 +561,8 @@ def _arguments() -> argparse.Namespace:
     ap.add_argument("--no-loader", action="store_true", help="skip the host -> device loader measurement")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (CPU: TRITON_INTERPRET=1)")
     args = ap.parse_args()
+    if args.hbm_tbps is not None and not args.hbm_tbps > 0:
+        ap.error(f"--hbm-tbps must be a positive TB/s figure (H200: 4.8); got {args.hbm_tbps}")
     if not torch.cuda.is_available() and not (args.smoke and ops.interpreting()):
         ap.error("without CUDA only --smoke runs, under TRITON_INTERPRET=1")
     return args
@@ -563,10 +573,12 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.monotonic()
     gen = torch.Generator(device=device).manual_seed(0)
-    timer = Timer(device, 2 if args.smoke else args.reps, args.hbm_tbps * 1e12)
+    peak, peak_source = hbm_peak(device, args.hbm_tbps)
+    timer = Timer(device, 2 if args.smoke else args.reps, peak)
     default = {m: ops.LaunchConfig(block_n=16 if args.smoke else None) for m in METHODS}  # None: ops.MEASURED_LAUNCH
     configs = {name: dict(default) for name in SHAPES}  # shape -> method -> launch
     result = {"generated": time.strftime("%Y-%m-%d %H:%M:%S"), **_provenance(device), "hbm_bytes_per_s": timer.hbm,
+              "hbm_peak_source": peak_source, "hbm_bytes_per_s_from_clocks": _clocks(device),
               "dtype": "bf16", "extras_seen": EXTRAS, "methods": METHODS, "ratio_droppers_quest": RATIO,
               "smoke": args.smoke, "rows": [], "skipped": []}
     if not (args.no_tune or args.smoke):

@@ -18,7 +18,7 @@ PROJECTION_METHODS = ("kivi4", "kivi2", "int8", "fp8", "droppers")  # Quest keep
 GPU_PROJECTION_WHY = (
     "Acceptance is held at the paper's 23 for every method and the context / concurrency are "
     "PAPER_ASSUMPTIONS' guesses (32k, 32 offered), so the projection isolates the kernels. The "
-    "attention terms are shares of the HBM peak measured on the bench GPU (an H200) at Llama-70B's "
+    "attention terms are shares of the HBM peak measured on the bench GPU (the JSON's `gpu`) at Llama-70B's "
     "per-GPU heads under 8-way TP (8 query / 1 KV head), carried over to the paper's 2x H100 NVL "
     "(TP=2: 32 / 4 heads a GPU); the verify pass's attention is the verify kernel's share of the HBM "
     "peak where bench_kernels timed it (its block nearest draft_len + 1 tokens), else taken to read "

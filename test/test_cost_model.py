@@ -311,3 +311,31 @@ def test_cli_gpu_kernels_writes_the_projection(tmp_path, monkeypatch, capsys):
     result = json.loads(out.read_text())
     assert set(result["gpu_projection"]["methods"]) == {"kivi4", "droppers", "int8"}
     assert "of the paper's 256" in capsys.readouterr().out
+
+
+def test_hbm_peak_follows_the_device(monkeypatch):
+    """bench_kernels' shares of the HBM peak use the lent device's own peak: an H100 SXM's
+    3.35 TB/s is not divided by the H200's 4.8 (which would understate every share by 30%)."""
+    import torch
+
+    import gpu_timer as gt
+
+    cuda = torch.device("cuda", 0)
+    names = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100 NVL": 3.9e12,
+             "NVIDIA H100 PCIe": 2.0e12, "NVIDIA GH200 480GB": 4.0e12}
+    for name, peak in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        got, source = gt.hbm_peak(cuda)
+        assert got == pytest.approx(peak) and "datasheet" in source, name
+    # an unknown device: memory clock (kHz) x bus width (bits) x 2 transfers a clock
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
+    props = type("Props", (), {"memory_clock_rate": 9001000, "memory_bus_width": 384})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    got, source = gt.hbm_peak(cuda)
+    assert got == pytest.approx(2 * 9.001e9 * 48) and "clock" in source
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: object())
+    with pytest.raises(RuntimeError, match="--hbm-tbps"):
+        gt.hbm_peak(cuda)
+    assert gt.hbm_peak(cuda, 3.0) == (3.0e12, "--hbm-tbps")
+    with pytest.raises(ValueError, match="positive"):
+        gt.hbm_peak(cuda, 0.0)
