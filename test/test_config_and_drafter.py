@@ -504,27 +504,64 @@ def test_cpu_stand_in_serves_ops_and_refuses_unknown_ones():
 
 
 def test_prompt_queries_are_captured_per_request_and_layer():
-    """The verify wrapper keeps each request's trailing prefill queries (for SnapKV/H2O),
+    """A capturing prefill keeps each request's trailing prefill queries (for SnapKV/H2O),
     across chunked prefills, capped at MAX_CAPTURED_QUERIES."""
     from types import SimpleNamespace
 
     from sgl_vericache.sglang.attention import capture_queries as _capture_queries
     from sgl_vericache.spec.round import MAX_CAPTURED_QUERIES, layer_queries as _layer_queries
 
-    backend = SimpleNamespace(capture={}, capture_rids=["a", "b"])
+    captured = {}
     layer = SimpleNamespace(tp_q_head_num=3, qk_head_dim=4, layer_id=1)
     q = torch.arange(5 * 12, dtype=torch.float32).reshape(5, 12)  # 2 + 3 tokens, [tokens, H_q * D]
-    _capture_queries(backend, q, layer, SimpleNamespace(extend_seq_lens_cpu=[2, 3]))
-    assert backend.capture["a"][1].shape == (2, 3, 4)
-    torch.testing.assert_close(backend.capture["b"][1], q[2:].reshape(3, 3, 4))
+    _capture_queries(captured, ["a", "b"], q, layer, SimpleNamespace(extend_seq_lens_cpu=[2, 3]))
+    assert captured["a"][1].shape == (2, 3, 4)
+    torch.testing.assert_close(captured["b"][1], q[2:].reshape(3, 3, 4))
     big = torch.randn(MAX_CAPTURED_QUERIES + 10, 12)
-    backend.capture_rids = ["b"]
-    _capture_queries(backend, big, layer, SimpleNamespace(extend_seq_lens_cpu=[big.shape[0]]))
-    kept = backend.capture["b"][1]
+    _capture_queries(captured, ["b"], big, layer, SimpleNamespace(extend_seq_lens_cpu=[big.shape[0]]))
+    kept = captured["b"][1]
     assert kept.shape[0] == MAX_CAPTURED_QUERIES
     torch.testing.assert_close(kept, big[-MAX_CAPTURED_QUERIES:].reshape(-1, 3, 4))
-    per_layer = _layer_queries(backend.capture["a"], num_layers=3)
+    per_layer = _layer_queries(captured["a"], num_layers=3)
     assert per_layer[0] is None and per_layer[1].shape == (2, 3, 4)
+
+
+def test_capturing_prefills_keep_the_models_own_backend():
+    """Capturing prompt queries does not put a wrapper in the model's way: the backend the
+    model reaches is SGLang's own object (a model may test its class), its output is its own,
+    the queries of extend forwards only are kept, and after the prefill, even one that
+    raised, the backend is as it was (no instance attribute left behind)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context, get_attn_backend
+
+    from sgl_vericache.sglang.attention import capturing_queries
+
+    class TritonLike(AttentionBackend):
+        def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            return q * 2 + (1 if kwargs.get("sinks") is not None else 0)
+
+    def batch(mode):
+        return SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: mode == "extend"),
+                               extend_seq_lens_cpu=[2, 1])
+
+    backend, captured = TritonLike(), {}
+    layer = SimpleNamespace(tp_q_head_num=1, qk_head_dim=4, layer_id=0)
+    q = torch.randn(3, 4)
+    with forward_context(ForwardContext(attn_backend=backend)):
+        with capturing_queries(backend, captured, ["a", "b"]):
+            seen = get_attn_backend()
+            assert seen is backend and type(seen) is TritonLike
+            torch.testing.assert_close(seen.forward(q, None, None, layer, batch("extend"), sinks=q), q * 2 + 1)
+            seen.forward(q + 1, None, None, layer, batch("decode"))  # not a prefill: nothing kept
+        torch.testing.assert_close(captured["a"][0], q[:2].reshape(2, 1, 4))
+        torch.testing.assert_close(captured["b"][0], q[2:].reshape(1, 1, 4))
+        assert "forward" not in vars(backend)
+        with pytest.raises(RuntimeError, match="boom"):
+            with capturing_queries(backend, captured, ["c"]):
+                raise RuntimeError("boom")
+        assert "forward" not in vars(backend) and "c" not in captured
 
 
 @pytest.mark.parametrize("mode, tolerance", [("fp16", 2e-3), ("int8", 3e-2)])

@@ -2,8 +2,9 @@
 the CPU engine's extend.
 
 Touches SGLang's ``AttentionBackend`` interface (two backends of ours: the draft passes'
-and a wrapper of the target's that adds TARGET_VERIFY, which ``torch_native`` lacks, and
-captures prompt queries for SnapKV/H2O), ``KVWriteLoc`` / the KV pool's ``set_kv_buffer``
+and a wrapper of the target's that adds TARGET_VERIFY, which ``torch_native`` lacks; and
+the target's ``forward`` shadowed on its instance while a prefill's prompt queries are
+captured for SnapKV/H2O), ``KVWriteLoc`` / the KV pool's ``set_kv_buffer``
 (verify writes its tokens' KV like any forward), and ``TorchNativeAttnBackend.
 _run_sdpa_forward_extend`` (the CPU engine's extend, patched for every engine).
 """
@@ -11,6 +12,7 @@ _run_sdpa_forward_extend`` (the CPU engine's extend, patched for every engine).
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -74,8 +76,6 @@ def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = Fa
             self.inner = inner
             self.req_to_token_pool = model_runner.req_to_token_pool
             self.token_to_kv_pool = model_runner.token_to_kv_pool
-            self.capture = None  # rid -> {layer_id: queries}, set per extend batch
-            self.capture_rids = None
             self.deterministic = deterministic
             self.skip_rows = ()  # rows deferred this round (staggered verifies): no attention
             self.kernel_batch = None  # (forward batch, what its layers' verify kernel launches share)
@@ -95,8 +95,6 @@ def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = Fa
 
         def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             if not forward_batch.forward_mode.is_target_verify():
-                if self.capture is not None and forward_batch.forward_mode.is_extend():
-                    capture_queries(self, q, layer, forward_batch)
                 return self.inner.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
             sinks = attention_extras(kwargs, "verify")
             if save_kv_cache:
@@ -342,14 +340,39 @@ def verify_tree_mask(forward_batch, bs, n, device):
     return mask.reshape(bs, n, n).to(torch.bool)
 
 
-def capture_queries(backend, q, layer, forward_batch):
+@contextmanager
+def capturing_queries(backend, captured: dict, rids: list):
+    """While an extend batch runs through SGLang's own attention backend, keep each request's
+    trailing prompt queries (SnapKV / H2O score the prompt by them) in ``captured`` (rid ->
+    {layer_id: [W, H_q, D]}). The backend object stays the one the model sees, so a model that
+    tests its class (Gemma 3 multimodal on Triton: its image tokens' bidirectional mask) still
+    matches: only this instance's ``forward`` is shadowed, and restored on the way out."""
+    original = backend.forward
+    own = "forward" in vars(backend)  # an instance attribute of its own, restored as it was
+
+    def forward(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if forward_batch.forward_mode.is_extend():
+            capture_queries(captured, rids, q, layer, forward_batch)
+        return original(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    backend.forward = forward
+    try:
+        yield
+    finally:
+        if own:
+            backend.forward = original
+        else:
+            del backend.forward
+
+
+def capture_queries(captured: dict, rids: list, q, layer, forward_batch):
     """Keep the trailing prompt queries of each request in an extend batch."""
     q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)  # [tokens, H_q, D]
     lens = forward_batch.extend_seq_lens_cpu
     lens = lens.tolist() if hasattr(lens, "tolist") else list(lens)
     start = 0
-    for rid, n in zip(backend.capture_rids, lens):
-        per_layer = backend.capture.setdefault(rid, {})
+    for rid, n in zip(rids, lens):
+        per_layer = captured.setdefault(rid, {})
         prev = per_layer.get(layer.layer_id)
         new = q[start : start + n].detach().clone()
         joined = new if prev is None else torch.cat([prev, new])

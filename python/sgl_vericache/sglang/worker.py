@@ -274,17 +274,21 @@ class VeriCacheWorker(NGRAMWorker):
         capture = batch.forward_mode.is_extend() and spec.needs_queries(batch.reqs)
         if capture:
             self._capturing.update((req.rid, req) for req in batch.reqs)
-        self.verify_backend.capture = spec.queries if capture else None
-        self.verify_backend.capture_rids = [req.rid for req in batch.reqs] if capture else None
         is_round = batch.forward_mode.is_decode() and not self.plain
         self.runtime.active_worker = self
         t0 = time.perf_counter()
-        # the verify backend only where it does something (a round's verify, a prefill whose
-        # queries are captured): elsewhere SGLang's own, which some models test for by class at
-        # prefill (Gemma 3 multimodal on Triton builds its image tokens' bidirectional mask)
-        wrap = is_round or capture
+        # the verify backend only for a round's verify: elsewhere SGLang's own, which some
+        # models test for by class at prefill (Gemma 3 multimodal on Triton builds its image
+        # tokens' bidirectional mask); a prefill whose queries SnapKV / H2O need keeps it too
+        if is_round:
+            scope = forward_context(ForwardContext(attn_backend=self.verify_backend))
+        elif capture:
+            scope = attention.capturing_queries(self.model_runner.attn_backend, spec.queries,
+                                                [req.rid for req in batch.reqs])
+        else:
+            scope = nullcontext()
         try:
-            with forward_context(ForwardContext(attn_backend=self.verify_backend)) if wrap else nullcontext():
+            with scope:
                 result = super().forward_batch_generation(batch, on_publish, pp_proxy_tensors)
         finally:
             self.runtime.active_worker = None
