@@ -460,3 +460,21 @@ def test_sinks_are_converted_once_while_they_are_unchanged():
     assert ops.check_sinks(fp32, 4, "cpu") is fp32
     with pytest.raises(ValueError, match=r"attention sinks of shape \(3,\): accepted: \[4\]"):
         ops.check_sinks(torch.zeros(3), 4, "cpu")
+
+
+def test_fused_merge_tickets_grow_without_freeing_a_captured_buffer(monkeypatch):
+    """The fused split merge's ticket buffer grows (doubling) for a larger launch; the one
+    it replaces stays alive, since a CUDA graph captured over it replays on its address."""
+    from sgl_vericache.kernels import ops
+
+    monkeypatch.setattr(ops, "_TICKETS", {})
+    monkeypatch.setattr(ops, "_RETIRED_TICKETS", [])
+    fused = ops.LaunchConfig(fused=True)
+    q = torch.zeros(8, 4, 16)
+    *_, first = ops._outputs(fused, 8, 2, q, return_lse=False)
+    assert first.numel() == 4096 and not ops._RETIRED_TICKETS
+    *_, same = ops._outputs(fused, 1000, 4, torch.zeros(1000, 4, 16), return_lse=True)
+    assert same is first  # 4000 tickets fit
+    *_, grown = ops._outputs(fused, 3000, 2, torch.zeros(3000, 4, 16), return_lse=False)
+    assert grown.numel() == 8192 and ops._RETIRED_TICKETS == [first] and ops._TICKETS["cpu"] is grown
+    assert ops._outputs(ops.LaunchConfig(fused=False), 8, 2, q, return_lse=False) == (None, None, None)

@@ -402,6 +402,8 @@ def _or(t: Optional[torch.Tensor], fallback: torch.Tensor) -> torch.Tensor:
 # device -> int32 zeros: the fused merge's tickets, reset by the kernels. One buffer a device:
 # fused launches must not run concurrently on two streams of one device (the drafter's run on one)
 _TICKETS: dict = {}
+# the buffers a growth replaced, kept alive: a CUDA graph captured over one still replays on it
+_RETIRED_TICKETS: list = []
 
 
 def _outputs(config: LaunchConfig, num_rows: int, num_kv_heads: int, q: torch.Tensor, return_lse: bool):
@@ -419,7 +421,10 @@ def _outputs(config: LaunchConfig, num_rows: int, num_kv_heads: int, q: torch.Te
         if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"fused split merge: {need} tickets needed while a CUDA graph is captured; "
                                "run the launch once before capturing it")
-        tickets = _TICKETS[key] = torch.zeros(max(need, 4096), dtype=torch.int32, device=q.device)
+        if tickets is not None:
+            _RETIRED_TICKETS.append(tickets)
+        tickets = _TICKETS[key] = torch.zeros(max(need, 2 * tickets.numel() if tickets is not None else 4096),
+                                              dtype=torch.int32, device=q.device)
     return out, lse, tickets
 
 
