@@ -339,7 +339,7 @@ def _launch_variants() -> list[Case]:
     ]
     # the first H200 run failed all six with join / reshape at block_n 16; the second passed
     # them at 32 and 64 and, gathered, at 16, 32 and 64 (kernel_checks_1ced50f.log): the
-    # launcher now raises KIVI's half-precision block size to 32 on CUDA (ops.kivi_block_n)
+    # launcher now raises KIVI's half-precision block size to 32 on CUDA (ops.join_block_n)
     for unpack, block_n in ((0, 16), (0, 32), (1, 16)):
         cases += [_method_case(*row, family="large", interpret=False, unpack=unpack, block_n=block_n)
                   for row in half_kivi]

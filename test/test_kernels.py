@@ -291,25 +291,31 @@ def test_default_kernels_compile_for_sm90_without_a_gpu(tmp_path, release):
         assert loops[f"{name}_addr"] <= 1.05 * loops[name], (name, loops[f"{name}_addr"], loops[name])
 
 
-def test_kivi_half_precision_blocks_are_raised_on_cuda_only():
+def test_join_unpacked_half_precision_blocks_are_raised_on_cuda_only():
     """Compiled Triton unpacks KIVI codes wrongly at block_n 16 with fp16 / bf16 products (two
     H200 runs, benchmark/results/gpu_h200/): the launcher raises the block to 32 there, and
-    only there."""
+    only there; so for int8 / fp8 codes read as words (asm 2), which the same join orders."""
     from types import SimpleNamespace
 
     from sgl_vericache.kernels import ops
-    from sgl_vericache.kernels.packing import FMT_INT8, FMT_KIVI
+    from sgl_vericache.kernels.packing import FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI
 
-    kivi, int8 = SimpleNamespace(fmt=FMT_KIVI), SimpleNamespace(fmt=FMT_INT8)
+    kivi, int8, fp8 = (SimpleNamespace(fmt=f) for f in (FMT_KIVI, FMT_INT8, FMT_FP8))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     small = ops.LaunchConfig(block_n=16)
-    assert ops.kivi_block_n(small, kivi, 2, cuda) == 32
-    assert ops.kivi_block_n(small, kivi, 1, cuda) == 32
-    assert ops.kivi_block_n(small, kivi, 0, cuda) == 16  # fp32 products: right at 16
-    assert ops.kivi_block_n(small, kivi, 2, cpu) == 16  # the interpreter: right at 16
-    assert ops.kivi_block_n(small, int8, 2, cuda) == 16
-    assert ops.kivi_block_n(ops.LaunchConfig(block_n=16, unpack=1), kivi, 2, cuda) == 16
-    assert ops.kivi_block_n(ops.LaunchConfig(block_n=128), kivi, 2, cuda) == 128
+    assert ops.join_block_n(small, kivi, 2, cuda) == 32
+    assert ops.join_block_n(small, kivi, 1, cuda) == 32
+    assert ops.join_block_n(small, kivi, 0, cuda) == 16  # fp32 products: right at 16
+    assert ops.join_block_n(small, kivi, 2, cpu) == 16  # the interpreter: right at 16
+    assert ops.join_block_n(ops.LaunchConfig(block_n=16, unpack=1), kivi, 2, cuda) == 16
+    assert ops.join_block_n(ops.LaunchConfig(block_n=128), kivi, 2, cuda) == 128
+    words = ops.LaunchConfig(block_n=16, asm=2)
+    for codes in (int8, fp8):
+        assert ops.join_block_n(small, codes, 2, cuda, half=True) == 16  # a byte a code: no join
+        assert ops.join_block_n(words, codes, 2, cuda) == 16  # fp32 products do not read words
+        assert ops.join_block_n(words, codes, 1, cuda, half=True) == 32
+        assert ops.join_block_n(words, codes, 1, cpu, half=True) == 16
+    assert ops.join_block_n(words, SimpleNamespace(fmt=FMT_DENSE), 1, cuda, half=True) == 16
 
 
 def test_entries_are_addressed_in_int32_only_where_their_offsets_fit():

@@ -147,18 +147,21 @@ def key_scale_mode(token_group: int, block_n: int) -> int:
     return 0
 
 
-KIVI_MIN_HALF_BLOCK_N = 32
+JOIN_MIN_BLOCK_N = 32
 
 
-def kivi_block_n(config: LaunchConfig, packed: PackedKV, dot: int, device: torch.device) -> int:
-    """The block size a KIVI launch really uses. Compiled Triton (3.6, H200) gets the join /
-    reshape unpacking wrong at block_n 16 when the products run in fp16 / bf16 (errors of
-    1.4-4 on six shapes that pass at 32 and 64, and with unpack=1 at every size:
-    benchmark/results/gpu_h200/kernel_checks_1ced50f.log), so there it is raised to 32.
-    The interpreter computes it right and keeps the size asked for."""
-    if (packed.fmt == FMT_KIVI and dot != 0 and config.unpack == 0 and device.type == "cuda"
-            and config.block_n < KIVI_MIN_HALF_BLOCK_N):
-        return KIVI_MIN_HALF_BLOCK_N
+def join_block_n(config: LaunchConfig, packed: PackedKV, dot: int, device: torch.device, half: bool = False) -> int:
+    """The block size a launch really uses. Compiled Triton (3.6, H200) gets the join /
+    reshape unpacking of KIVI codes wrong at block_n 16 when the products run in fp16 / bf16
+    (errors of 1.4-4 on six shapes that pass at 32 and 64, and gathered, ``unpack=1``, at
+    every size: benchmark/results/gpu_h200/kernel_checks_1ced50f.log), so there it is raised
+    to 32. int8 / fp8 codes read as words (``asm=2``, half products) are put in channel order
+    by the same join / reshape and have not been compiled at 16 on a GPU: raised too. The
+    interpreter computes both right and keeps the size asked for."""
+    joins = ((packed.fmt == FMT_KIVI and dot != 0 and config.unpack == 0)
+             or (packed.fmt in (FMT_INT8, FMT_FP8) and half and config.asm == 2))
+    if joins and device.type == "cuda" and config.block_n < JOIN_MIN_BLOCK_N:
+        return JOIN_MIN_BLOCK_N
     return config.block_n
 
 
@@ -299,7 +302,7 @@ def decode_attention(packed: PackedKV, q: torch.Tensor, scale: float, rows: RowT
     out, lse, tickets = _outputs(config, num_rows, packed.num_kv_heads, q, return_lse)
     k = packed.k
     half = halves(config, packed, q.dtype)
-    block_n = kivi_block_n(config, packed, 1 if half else dot, q.device)
+    block_n = join_block_n(config, packed, 1 if half else dot, q.device, half)
     kmode = key_scale_mode(packed.token_group, block_n)
     td._decode_split_kernel[(num_rows, packed.num_kv_heads, splits)](
         q, rows.meta, k, packed.v,
