@@ -150,6 +150,38 @@ def test_flashinfer_backend_composes_entries_and_drafts_like_the_torch_path():
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_flashinfer_backends_are_made_once_a_group_slot(monkeypatch):
+    """Each group slot's backend (two 128 MiB workspaces) is made at its first round and kept:
+    a later round reuses it and replans under its own round id."""
+    from sgl_vericache.kernels import flashinfer_backend as fb
+    from sgl_vericache.kernels.packing import pack
+    from sgl_vericache.mem_cache.compress import get_compressor
+
+    made = []
+
+    class Counting(_FakeFlashInfer):
+        class BatchDecodeWithPagedKVCacheWrapper(_FakeFlashInfer.BatchDecodeWithPagedKVCacheWrapper):
+            def __init__(self, workspace, layout):
+                super().__init__(workspace, layout)
+                made.append(workspace.numel())
+
+    monkeypatch.setattr(fb, "_SHARED", {})
+    cpu = torch.device("cpu")
+    first = fb.FlashInferDecode.shared(cpu, 0, Counting)
+    assert fb.FlashInferDecode.shared(cpu, 0, Counting) is first
+    assert fb.FlashInferDecode.shared(cpu, 1, Counting) is not first
+    assert made == [fb.WORKSPACE_BYTES] * 4  # two wrappers a slot, once
+    g = torch.Generator().manual_seed(1)
+    comp = get_compressor("streamingllm", 4.0, min_budget=8)
+    q = torch.randn(1, 4, 64, generator=g)
+    k_extra, v_extra = torch.randn(1, 2, 2, 64, generator=g), torch.randn(1, 2, 2, 64, generator=g)
+    for round_id, n in ((0, 40), (1, 70)):  # the second round's entry is longer: replanned
+        layer = comp.compress(torch.randn(n, 2, 64, generator=g), torch.randn(n, 2, 64, generator=g))
+        out = first.decode((round_id, 0), pack(comp, [layer]), [0], q, 0.125, k_extra, v_extra, [0], [2])
+        torch.testing.assert_close(out, comp.attend(layer, q, 0.125, k_extra[0, :2], v_extra[0, :2]),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_entries_are_packed_in_place_through_their_addresses_unless_unreadable():
     """pack(in_place=True): no copy, each entry's tensors' addresses in the table, starts 0;
     an entry whose tensor is not 16-byte aligned (what the kernels assume), or whose layout

@@ -52,7 +52,7 @@ class KernelDraftRound:
         self._v_extra = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         self.step = [0] * num_layers
         self._id = next(_ROUND_IDS)
-        self._flashinfer = [FlashInferDecode.maybe(self.device) for _ in self._groups]  # None: off (the default)
+        self._flashinfer = [FlashInferDecode.maybe(self.device, g) for g in range(len(self._groups))]  # None: off
 
     @staticmethod
     def supports(rows: Sequence[tuple[KVCompressor, Sequence[Optional[CompressedLayer]]]]) -> bool:

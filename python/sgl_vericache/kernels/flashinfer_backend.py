@@ -22,6 +22,9 @@ import torch
 
 ENV = "SGL_VERICACHE_DRAFT_FLASHINFER"
 WORKSPACE_BYTES = 128 << 20
+# (device, group slot) -> its FlashInferDecode: two 128 MiB workspaces a slot, made once, not
+# every round (a round's plans are keyed by its id, so a later round replans on its own)
+_SHARED: dict = {}
 
 
 def page_tables(starts: Sequence[int], lens: Sequence[int], device) -> tuple[torch.Tensor, ...]:
@@ -49,14 +52,24 @@ class FlashInferDecode:
         self._extra_plan = None
 
     @staticmethod
-    def maybe(device: torch.device) -> Optional["FlashInferDecode"]:
-        """A backend when switched on and usable here, else None."""
+    def maybe(device: torch.device, slot: int = 0) -> Optional["FlashInferDecode"]:
+        """The backend of a round's ``slot``-th compressor group when switched on and usable
+        here, else None."""
         if os.environ.get(ENV, "0") != "1" or torch.device(device).type != "cuda":
             return None
         try:
-            return FlashInferDecode(torch.device(device))
+            return FlashInferDecode.shared(torch.device(device), slot)
         except ImportError:
             return None
+
+    @staticmethod
+    def shared(device: torch.device, slot: int, flashinfer_module=None) -> "FlashInferDecode":
+        """The one backend of ``slot`` on ``device``, made at its first round. Rounds run one
+        at a time on a device, and each group of a round has its own slot."""
+        key = (str(device), slot)
+        if key not in _SHARED:
+            _SHARED[key] = FlashInferDecode(device, flashinfer_module)
+        return _SHARED[key]
 
     def decode(self, plan_key, packed, entries: Sequence[int], q: torch.Tensor, scale: float,
                k_extra: torch.Tensor, v_extra: torch.Tensor, extra_rows: Sequence[int],
