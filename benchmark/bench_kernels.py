@@ -24,9 +24,10 @@ the call reads, achieved GB/s and share of the HBM peak (the device's datasheet 
 speedup over the faster full-KV baseline. The entries are synthetic (random codes and
 scales in each compressor's exact layout): timing does not depend on the values.
 
-Then several requests' entries read together (kivi4 and the droppers at 32k x 8): packed end
-to end (one copy of their compressed bytes a layer and round) against in place (a table of
-their addresses, what the drafter does), and one draft step's kernel over each.
+Then several requests' entries read together (kivi4 and the droppers at 32k x 8, and int8 at
+Llama-3-8B): packed end to end (one copy of their compressed bytes a layer and round) against
+in place (a table of their addresses, what the drafter does), one draft step's kernel over
+each, and the round's end: each entry's append of 4 verified tokens (a new entry: a value).
 
 Then the full-KV host -> device layer loader: one layer's pinned host KV copied to each of
 the 80 layers' device buffers on a side stream with an event per layer, alone and while a
@@ -456,13 +457,16 @@ def bench_loader(timer, device, gen, context=32768, batch=8, layers=80, draft_le
 
 
 def bench_pack(timer, device, gen, method: str, shape_name: str, context: int, batch: int, steps: int = 30,
-               config=ops.LaunchConfig()) -> dict:
+               config=ops.LaunchConfig(), accepted: int = 4) -> dict:
     """What reading ``batch`` requests' entries together costs the drafter per layer and round:
     real entries (the compressor's own ``compress`` of random K/V, each its own tensors, as
     the store keeps them) packed end to end (``pack``: one copy of the compressed bytes) or
     in place (``pack(in_place=True)``: a table of their addresses), wall time with the host
     work; and one draft step's kernel over each (a CUDA graph, L2 flushed), which should be
-    the same. ``copy_share_of_round``: the copy against ``steps`` draft steps of that layer."""
+    the same. ``copy_share_of_round``: the copy against ``steps`` draft steps of that layer.
+    ``append_ms``: the round's end, each entry's ``append`` of ``accepted`` verified tokens
+    (entries are values: int8 / fp8 copy the whole entry, the droppers reselect, KIVI
+    quantizes only a full group), wall time for the batch's entries of that layer."""
     from sgl_vericache.kernels.packing import pack
 
     hq, hkv, d = SHAPES[shape_name]
@@ -498,6 +502,10 @@ def bench_pack(timer, device, gen, method: str, shape_name: str, context: int, b
     for way, draft in (("copy", "draft_copied_ms"), ("in_place", "draft_in_place_ms")):
         packing_ms = out[f"pack_{way}_ms"]
         out[f"{way}_share_of_round"] = packing_ms / (packing_ms + steps * out[draft])
+    k_new, v_new = (_rand((accepted, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
+    out["accepted"] = accepted
+    out["append_ms"] = wall(lambda: [comp.append(layer, k_new, v_new) for layer in layers])
+    out["append_share_of_round"] = out["append_ms"] / (out["append_ms"] + steps * out["draft_in_place_ms"])
     return out
 
 
@@ -670,7 +678,7 @@ def _bench_packs(args, timer, device, gen, configs, started, result) -> list[dic
     """Copying entries into a packed buffer against reading them in place (bench_pack)."""
     rows = []
     for method, shape_name in (("kivi4", "llama70b-tp8"), ("droppers", "llama70b-tp8"), ("kivi4", "llama3-8b"),
-                               ("droppers", "llama3-8b")):
+                               ("droppers", "llama3-8b"), ("int8", "llama3-8b")):
         if (args.smoke and shape_name != "llama70b-tp8") or (
                 not args.smoke and time.monotonic() - started > args.budget_s + 20):
             continue
@@ -680,7 +688,8 @@ def _bench_packs(args, timer, device, gen, configs, started, result) -> list[dic
             print(f"pack {method} {shape_name} {context}x{batch}: copy {row['pack_copy_ms']:.2f} ms "
                   f"({100 * row['copy_share_of_round']:.1f}% of a 30-step round), in place "
                   f"{row['pack_in_place_ms']:.2f} ms; draft step {row['draft_copied_ms']:.3f} ms copied, "
-                  f"{row['draft_in_place_ms']:.3f} ms in place", flush=True)
+                  f"{row['draft_in_place_ms']:.3f} ms in place; append of {row['accepted']} tokens "
+                  f"{row['append_ms']:.2f} ms ({100 * row['append_share_of_round']:.1f}% of the round)", flush=True)
         except Exception as exc:  # noqa: BLE001
             row = {"method": method, "shape": shape_name, "error": f"{type(exc).__name__}: {exc}"[:300]}
         rows.append(row)

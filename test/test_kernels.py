@@ -226,6 +226,7 @@ def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
     result = json.loads(out.read_text())
     rows = {(r["context"], r["method"]): r for r in result["rows"]}
     assert not [r for r in result["rows"] if "error" in r]
+    assert result["hbm_bytes_per_s"] == 4.8e12 and result["hbm_peak_source"].startswith("cpu smoke")
     assert {m for _, m in rows} == {"kivi4", "kivi2", "int8", "fp8", "droppers", "quest", "quest_query", "quest_choice",
                                     "triton_paged", "triton_verify_t5", "triton_verify_t17", "torch_verify_t17"}
     big = {m: r for (c, m), r in rows.items() if c == 256}
@@ -248,6 +249,7 @@ def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
     assert set(packs) == {"kivi4", "droppers"} and not [r for r in packs.values() if "error" in r]
     for r in packs.values():
         assert r["entry_bytes"] > 0 and 0 < r["copy_share_of_round"] < 1 and 0 < r["in_place_share_of_round"] < 1
+        assert r["accepted"] == 4 and r["append_ms"] > 0 and 0 < r["append_share_of_round"] < 1
     # the verify kernel's launch search: the default and 64 query rows a program, the same output
     search = result["verify_tuning"]
     assert [(r["max_query_rows"], r["tokens"]) for r in search] == [(128, 17), (64, 17)], search
