@@ -41,11 +41,11 @@ def test_the_launcher_refuses_graph_flags_that_outrank_disable_cuda_graph():
     """SGLang lets its per-phase graph selectors win over --disable-cuda-graph: a decode
     graph would be replayed for the draft passes and verify."""
     vc = VeriCacheConfig()
-    with pytest.raises(ValueError, match="--cuda-graph-backend-decode full: VERICACHE runs with CUDA graphs off"):
+    with _raises(ValueError, "--cuda-graph-backend-decode full: VERICACHE runs with CUDA graphs off"):
         apply_vericache_flags(vc, ["--cuda-graph-backend-decode", "full"])
-    with pytest.raises(ValueError, match="--cuda-graph-backend-prefill breakable"):
+    with _raises(ValueError, "--cuda-graph-backend-prefill breakable"):
         apply_vericache_flags(vc, ["--cuda-graph-backend-prefill=breakable"])
-    with pytest.raises(ValueError, match=r"--cuda-graph-config turns CUDA graphs on \(decode: full\)"):
+    with _raises(ValueError, r"--cuda-graph-config turns CUDA graphs on \(decode: full\)"):
         apply_vericache_flags(vc, ["--cuda-graph-config", '{"decode": {"backend": "full", "max_bs": 8}}'])
     for fine in (["--cuda-graph-backend-decode", "disabled"], ["--cuda-graph-config", '{"decode": {"max_bs": 8}}']):
         assert apply_vericache_flags(vc, fine).count("--disable-cuda-graph") == 1
