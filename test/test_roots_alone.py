@@ -101,8 +101,8 @@ def _req(rid, prompt):
                            sampling_params=params, cached_tokens=0)
 
 
-def _speculator(seam, full_device_budget=-1):
-    vc = VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=4, adaptive=False, compressed_cache_mb=0,
+def _speculator(seam, full_device_budget=-1, adaptive=False):
+    vc = VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=4, adaptive=adaptive, compressed_cache_mb=0,
                          full_device_budget=full_device_budget)
     return Speculator(vc, seam, Stats(False), torch.Generator().manual_seed(0))
 
@@ -142,7 +142,11 @@ def test_a_round_out_of_memory_verifies_its_roots_then_pauses(where, caplog):
     seam.sync_oom = seam.passes.oom = False
     verified = [300, 200, 250]
     assert spec.begin_iteration(reqs, verified, max_width=5, must_round=True) == 5  # logprobs / a grammar: a round
-    plain = [spec.begin_iteration(reqs, verified, max_width=5) for _ in range(round_mod.OUT_OF_MEMORY_PAUSE)]
+    spec.planner.undecided()  # (that iteration's round is not run here)
+    plain = []
+    for _ in range(round_mod.OUT_OF_MEMORY_PAUSE):
+        plain.append(spec.begin_iteration(reqs, verified, max_width=5))
+        spec.end_plain(0.01, 0.0)  # the worker's bookkeeping of a plain step (it raised without --vericache-adaptive)
     assert plain == [0] * round_mod.OUT_OF_MEMORY_PAUSE  # decoding plainly for a while, then drafting again
     again = _round(spec, reqs)
     assert list(again.tokens.reshape(3, 5)[2]) == [7, 5, 5, 5, 5] and len(spec.store) == 3
@@ -225,3 +229,36 @@ def test_other_errors_are_not_taken_for_memory():
     with pytest.raises(RuntimeError, match="index error"):
         spec.draft_round(_batch(reqs), width)
     assert len(spec.store) == 1 and np.isclose(spec.stats.totals["draft_out_of_memory"], 0)
+
+
+def test_the_pause_books_nothing_against_an_earlier_batch():
+    """With the adaptive controller on, the round that ran out of memory (a width-w verify of
+    roots alone) and the plain steps of the pause are not learned from: before, the pause's
+    steps were booked against the rows of the last batch the planner decided, and the failed
+    round as a round of 0 drafts."""
+    seam = _Seam()
+    spec = _speculator(seam, adaptive=True)
+    ctl = spec.planner.controller
+    seen = []
+    ctl.observe_plain = lambda rows, seconds: seen.append(("plain", [r.rid for r in rows]))
+    ctl.observe_round = lambda rows, *args, **kwargs: seen.append(("round", [r.rid for r in rows]))
+    reqs = [_req("a", 300), _req("b", 200)]
+
+    def iteration(reqs, must_round=False):
+        verified = [len(r.origin_input_ids) for r in reqs]
+        width = spec.begin_iteration(reqs, verified, max_width=5, must_round=must_round)
+        if not width:
+            spec.end_plain(0.01, 0.0)
+            return 0
+        spec.draft_round(_batch(reqs), width)
+        deferred = spec.close_round()
+        spec.count_round(reqs, [1 + n for n in spec.lens], deferred, 0.02, 0.0)
+        return width
+
+    assert iteration(reqs, must_round=True) > 1 and seen == [("round", ["a", "b"])]
+    seam.passes.oom = True
+    assert iteration(reqs[:1], must_round=True) > 1  # drafting runs out of memory: roots alone
+    assert seen == [("round", ["a", "b"])] and spec.stats.totals["draft_out_of_memory"] == 1
+    seam.passes.oom = False
+    assert [iteration(reqs) for _ in range(3)] == [0, 0, 0]
+    assert seen == [("round", ["a", "b"])]  # the pause's plain steps: nothing learned

@@ -195,8 +195,15 @@ class Planner:
                         draft_s=ctl.costs.draft.predict([r for r in self.rows if not r.queued]))
         return self.decision.draft_len > 0
 
+    def undecided(self) -> None:
+        """This iteration is not the planner's to learn from (paused after drafting ran out
+        of memory, or a round whose drafts did): its rows and decision are let go, so neither
+        a plain step nor the round is booked against another batch's rows."""
+        self.decision = self.rows = None
+
     def plain_done(self, seconds: float) -> None:
-        self.controller.observe_plain(self.rows, seconds)
+        if self.controller is not None and self.rows is not None:
+            self.controller.observe_plain(self.rows, seconds)
         self._count_prediction(seconds)
         self._trace("plain", s=seconds)
 

@@ -332,6 +332,7 @@ class Speculator:
         queued = self.fetch_drafter.queue if self.fetch_drafter is not None else ()
         if self.paused and not must_round:  # drafting ran out of device memory a moment ago
             self.paused -= 1
+            self.planner.undecided()
             if self.vc.full_device_budget < 0:
                 self.stats.add("plain_iterations", 1)
                 return 0
@@ -424,6 +425,7 @@ class Speculator:
         if self.fetch_drafter is not None:
             self.fetch_drafter.clear()
         self.paused = OUT_OF_MEMORY_PAUSE
+        self.planner.undecided()  # a width-w verify of roots alone: not a round of what was decided
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.stats.add("draft_out_of_memory", 1)
