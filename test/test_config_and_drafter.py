@@ -522,6 +522,14 @@ def test_prompt_queries_are_captured_per_request_and_layer():
     kept = captured["b"][1]
     assert kept.shape[0] == MAX_CAPTURED_QUERIES
     torch.testing.assert_close(kept, big[-MAX_CAPTURED_QUERIES:].reshape(-1, 3, 4))
+    # each kept tensor holds its own rows only, not the chunk it was cut from
+    assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
+    _capture_queries(captured, ["b"], q[:2], layer, SimpleNamespace(extend_seq_lens_cpu=[2]))  # a later chunk
+    grown = captured["b"][1]
+    assert grown.shape[0] == MAX_CAPTURED_QUERIES and grown.untyped_storage().nbytes() == kept.untyped_storage().nbytes()
+    torch.testing.assert_close(grown, torch.cat([big[-MAX_CAPTURED_QUERIES + 2:], q[:2]]).reshape(-1, 3, 4))
+    _capture_queries(captured, ["c"], big, layer, SimpleNamespace(extend_seq_lens_cpu=[big.shape[0]]))
+    assert captured["c"][1].untyped_storage().nbytes() == kept.untyped_storage().nbytes()
     per_layer = _layer_queries(captured["a"], num_layers=3)
     assert per_layer[0] is None and per_layer[1].shape == (2, 3, 4)
 

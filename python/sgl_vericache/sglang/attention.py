@@ -366,7 +366,9 @@ def capturing_queries(backend, captured: dict, rids: list):
 
 
 def capture_queries(captured: dict, rids: list, q, layer, forward_batch):
-    """Keep the trailing prompt queries of each request in an extend batch."""
+    """Keep the trailing prompt queries of each request in an extend batch: at most
+    MAX_CAPTURED_QUERIES a request and layer, each kept in a tensor of its own (a slice of a
+    longer copy would hold the whole chunk's memory until the request's first round)."""
     q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)  # [tokens, H_q, D]
     lens = forward_batch.extend_seq_lens_cpu
     lens = lens.tolist() if hasattr(lens, "tolist") else list(lens)
@@ -374,9 +376,12 @@ def capture_queries(captured: dict, rids: list, q, layer, forward_batch):
     for rid, n in zip(rids, lens):
         per_layer = captured.setdefault(rid, {})
         prev = per_layer.get(layer.layer_id)
-        new = q[start : start + n].detach().clone()
-        joined = new if prev is None else torch.cat([prev, new])
-        per_layer[layer.layer_id] = joined[-MAX_CAPTURED_QUERIES:]
+        new = q[max(start, start + n - MAX_CAPTURED_QUERIES) : start + n].detach()
+        if prev is not None and new.shape[0] < MAX_CAPTURED_QUERIES:
+            new = torch.cat([prev[-(MAX_CAPTURED_QUERIES - new.shape[0]):], new])  # a new tensor
+        else:
+            new = new.clone()
+        per_layer[layer.layer_id] = new
         start += n
 
 
