@@ -24,7 +24,7 @@ except ImportError:  # a bare GPU machine without pytest runs this file as a scr
 
 from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang.server import (apply_vericache_flags, check_cuda_graphs, check_kv_cache_dtype,
-                                         check_kv_pool, check_parallelism)
+                                         check_kv_pool, check_parallelism, check_sampling)
 from sgl_vericache.spec.round import device_clock
 from sgl_vericache.spec.sampled_round import SampledRound
 
@@ -51,6 +51,30 @@ def test_the_launcher_refuses_graph_flags_that_outrank_disable_cuda_graph():
         assert apply_vericache_flags(vc, fine).count("--disable-cuda-graph") == 1
     # speculation off: SGLang's own choice stands
     assert apply_vericache_flags(VeriCacheConfig(enable=False), ["--cuda-graph-backend-decode", "full"])
+
+
+def test_the_launcher_samples_with_the_pytorch_sampler_and_no_logit_processors():
+    """Sampled rounds reproduce the pytorch sampler's seeded draws; SGLang's CUDA default
+    (FlashInfer's sampler) ignores seeds and filters min-p batches another way, and custom
+    logit processors are not run by verify: the launcher picks pytorch, refuses the rest,
+    and the worker refuses an engine built another way."""
+    argv = apply_vericache_flags(VeriCacheConfig(), ["--model-path", "m"])
+    at = argv.index("--sampling-backend")
+    assert argv[at + 1] == "pytorch" and argv.count("--sampling-backend") == 1
+    assert apply_vericache_flags(VeriCacheConfig(), ["--sampling-backend", "pytorch"]).count("--sampling-backend") == 1
+    for bad in (["--sampling-backend", "flashinfer"], ["--sampling-backend=flashinfer"]):
+        with _raises(ValueError, "--sampling-backend flashinfer: VERICACHE's sampled rounds.*accepted: pytorch"):
+            apply_vericache_flags(VeriCacheConfig(), bad)
+    with _raises(ValueError, "--enable-custom-logit-processor: VERICACHE's verify pass does not run"):
+        apply_vericache_flags(VeriCacheConfig(), ["--enable-custom-logit-processor"])
+    off = apply_vericache_flags(VeriCacheConfig(enable=False), ["--sampling-backend", "flashinfer",
+                                                                "--enable-custom-logit-processor"])
+    assert "--sampling-backend" in off and off.count("--sampling-backend") == 1  # speculation off: SGLang's choice
+    check_sampling("pytorch", False)
+    with _raises(ValueError, "--sampling-backend flashinfer"):
+        check_sampling("flashinfer", False)
+    with _raises(ValueError, "--enable-custom-logit-processor"):
+        check_sampling("pytorch", True)
 
 
 def test_the_launcher_keeps_window_layers_kv_in_the_full_pool():

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 SPEC_ALGORITHM = "VERICACHE"
 RADIX_BACKEND = "vericache"
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")  # SGLang's --kv-cache-dtype values that store floats
+SAMPLING_BACKEND = "pytorch"  # the sampler whose draws sampled rounds reproduce (sglang/sampling.py)
 
 
 def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
@@ -36,6 +37,10 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
     if vc.full_device_budget >= 0:
         extra = _parking_flags(argv)
     check_graph_flags(argv)
+    backend = flag_value(argv, "--sampling-backend")
+    check_sampling(backend or SAMPLING_BACKEND, "--enable-custom-logit-processor" in argv)
+    if backend is None:
+        extra += ["--sampling-backend", SAMPLING_BACKEND]
     if "--disable-cuda-graph" not in argv:
         extra.append("--disable-cuda-graph")  # see check_cuda_graphs
     if "--disable-hybrid-swa-memory" not in argv:
@@ -85,6 +90,26 @@ def check_graph_flags(argv: list[str]) -> None:
         if on:
             raise ValueError(f"--cuda-graph-config turns CUDA graphs on ({', '.join(on)}): VERICACHE runs with "
                              "them off; accepted: backend \"disabled\" for every phase, or no backend key")
+
+
+def check_sampling(backend, custom_logit_processors: bool) -> None:
+    """Sampled rounds are exact against SGLang's pytorch sampler only: with it every request
+    is drawn from a seed keyed on its position (sglang/sampling.py), which drafts and verify
+    reproduce. SGLang's CUDA default, FlashInfer's sampler, ignores ``sampling_seed`` and, when
+    a batch holds a min-p request, filters top-k then top-p on the renormalized mass, which the
+    sampled verify's target distribution does not follow. The launcher passes
+    ``--sampling-backend pytorch``; another backend is refused. Custom logit processors
+    (``--enable-custom-logit-processor``) change decode's logits but not verify's (SGLang's
+    speculative verify never calls them): refused too, so a request that names one gets
+    SGLang's own 400."""
+    if backend != SAMPLING_BACKEND:
+        raise ValueError(f"--sampling-backend {backend}: VERICACHE's sampled rounds reproduce the {SAMPLING_BACKEND} "
+                         f"sampler's seeded draws only; accepted: {SAMPLING_BACKEND} (the launcher's default), or "
+                         "pass --no-vericache-enable")
+    if custom_logit_processors:
+        raise ValueError("--enable-custom-logit-processor: VERICACHE's verify pass does not run custom logit "
+                         "processors (no speculative verify in SGLang does), so outputs would differ from "
+                         "speculation off; leave the flag out, or pass --no-vericache-enable")
 
 
 def check_parallelism(dp_attention: bool, pp_size) -> None:

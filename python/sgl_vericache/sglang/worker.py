@@ -20,7 +20,8 @@ from contextlib import nullcontext
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-from sglang.srt.runtime_context import get_device, get_memory, get_observability, get_schedule, get_spec
+from sglang.srt.runtime_context import (get_device, get_exec, get_memory, get_observability, get_schedule,
+                                        get_spec)
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
@@ -29,7 +30,7 @@ from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
 from sgl_vericache.sglang.server import (check_cuda_graphs, check_kv_cache_dtype, check_kv_pool, check_parallelism,
-                                         check_parking_args)
+                                         check_parking_args, check_sampling)
 from sgl_vericache.spec.ranks import first_rank_values
 from sgl_vericache.spec.round import RoundBatch, Speculator, device_clock, last_token
 from sgl_vericache.spec.stats import Stats
@@ -199,6 +200,7 @@ class VeriCacheWorker(NGRAMWorker):
         check_kv_cache_dtype(self.model_runner.kv_cache_dtype)
         attention.check_attention(self.model_runner.model, self.model_runner.model_config, self.device)
         check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1))
+        check_sampling(get_exec().kernel.sampling_backend, bool(get_exec().features.enable_custom_logit_processor))
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
         runtime = self.runtime
         draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
