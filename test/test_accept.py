@@ -467,3 +467,21 @@ def test_an_undefined_target_distribution_emits_a_token_instead_of_raising():
     assert num_accepted[1] == 0 and tokens[1, 0] == 0  # nothing accepted against NaN; token 0
     assert num_accepted[2] == 0 and tokens[2, 0] == 3  # p(5) = 0 rejects; 0.7 is the largest finite entry
     assert 0 <= int(tokens[0, int(num_accepted[0])]) < vocab
+
+
+def test_deterministic_inference_makes_every_row_a_seeded_one(monkeypatch):
+    """Under --enable-deterministic-inference SGLang seeds every request without a seed with
+    42, so speculation off draws each row reproducibly: every row is matched draw for draw
+    (before, rows without their own seed were accepted by rejection sampling, and their ids
+    differed from speculation off's)."""
+    from types import SimpleNamespace
+
+    import sglang.srt.runtime_context as context
+
+    from sgl_vericache.sglang.sampling import seeded_rows
+
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(sampling_seed=s)) for s in (None, 7, None)]
+    for on, want in ((False, [False, True, False]), (True, [True, True, True])):
+        monkeypatch.setattr(context, "get_exec", lambda on=on: SimpleNamespace(
+            deterministic=SimpleNamespace(enable_deterministic_inference=on)))
+        assert seeded_rows(reqs) == want

@@ -137,10 +137,22 @@ def engine_draw(sampler, logits, params, repeat, positions):
     return tokens.to(torch.int64)
 
 
+def seeded_rows(reqs) -> list[bool]:
+    """Rows speculation off draws from a seed that is the same with speculation on: a
+    request's ``sampling_seed``, and under ``--enable-deterministic-inference`` every row
+    (SGLang seeds the others with 42). Their rounds are matched draw for draw; the rest (the
+    plugin's random seed a request) are accepted by rejection sampling."""
+    from sglang.srt.runtime_context import get_exec
+
+    if get_exec().deterministic.enable_deterministic_inference:
+        return [True] * len(reqs)
+    return [req.sampling_params.sampling_seed is not None for req in reqs]
+
+
 def make_sampled_round(sampler, batch, rows, rng) -> SampledRound:
     """The drafting state of a round of ``batch`` (a ScheduleBatch that samples) whose rows
     ``rows`` draft."""
-    seeded = [req.sampling_params.sampling_seed is not None for req in batch.reqs]
+    seeded = seeded_rows(batch.reqs)
     draw = lambda *args: engine_draw(sampler, *args)  # noqa: E731
     return SampledRound(batch.sampling_info, seeded, rows, draw, rng)
 
