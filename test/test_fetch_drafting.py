@@ -92,6 +92,37 @@ def test_fetch_drafter_reads_a_tier_entry_only_when_it_lands_early():
         VeriCacheConfig(fetch_draft_tier_fraction=1.5)
 
 
+def test_fetch_drafting_out_of_memory_lets_go_instead_of_stopping_the_scheduler(caplog):
+    """Drafting ahead runs inside the scheduler's prefetch check: out of device memory there
+    (its draft passes, its entry moved to the device) it lets go of its job, entries and
+    queued drafts, and poll returns, where the error reached the scheduler before."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sgl_vericache.mem_cache.compress import get_compressor
+    from sgl_vericache.spec.fetch_drafting import FetchDrafter
+    from sgl_vericache.spec.stats import Stats
+
+    owner = SimpleNamespace(store=SimpleNamespace(compressor=get_compressor("kivi4"), num_layers=2), stats=Stats(False))
+    drafter = FetchDrafter(owner)
+    drafter.queue.put("old", [1, 2, 3])
+    job = SimpleNamespace(req=SimpleNamespace(rid="r", finished=lambda: False), polled=0.0)
+    drafter.job = job
+
+    def run(job):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    drafter._run = run
+    drafter.poll(job.req, fetched=False, hit_tokens=100)
+    assert drafter.job is None and "old" not in drafter.queue
+    assert owner.stats.totals["draft_out_of_memory"] == 1 and "drafting ahead of a prefix fetch" in caplog.text
+    drafter._run = lambda job: (_ for _ in ()).throw(RuntimeError("a bug"))
+    drafter.job = job
+    with pytest.raises(RuntimeError, match="a bug"):  # other errors are not taken for memory
+        drafter.poll(job.req, fetched=False, hit_tokens=100)
+
+
 def test_throttled_store_reads_at_its_bandwidth(tmp_path):
     import torch
 

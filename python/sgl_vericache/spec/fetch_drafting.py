@@ -25,6 +25,7 @@ go through the owner's ``seam.passes`` (``DraftPasses``).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -33,6 +34,8 @@ from sgl_vericache.mem_cache.compressed_tier import (INDEX_ANCHOR, SpilledEntry,
                                                      move_entry, worth_reading)
 from sgl_vericache.spec.draft_queue import DraftQueue
 from sgl_vericache.spec.drafter import CompressedKVStore, selects_per_step
+
+logger = logging.getLogger(__name__)
 
 
 class FetchJob:
@@ -106,7 +109,19 @@ class FetchDrafter:
     def poll(self, req, fetched: bool, hit_tokens: int) -> None:
         """The scheduler looked at waiting ``req``; ``fetched``: its prefetch is done;
         ``hit_tokens``: what the storage tier said it holds of the prefix (0 until its
-        existence query answered: a request whose prefix is not there is not drafted for)."""
+        existence query answered: a request whose prefix is not there is not drafted for).
+        Drafting ahead is an extra: out of device memory (its entry moved to the device, its
+        draft passes), it lets go of its job, entries and queued drafts, and the scheduler
+        goes on (fetch drafting is off under tensor parallelism, so no rank waits for it)."""
+        try:
+            self._poll(req, fetched, hit_tokens)
+        except torch.OutOfMemoryError as exc:
+            self.clear()
+            self.owner.stats.add("draft_out_of_memory", 1)
+            logger.warning("VeriCache: drafting ahead of a prefix fetch ran out of device memory (%s); let go of "
+                           "its entries and drafts", str(exc).split("\n")[0][:200])
+
+    def _poll(self, req, fetched: bool, hit_tokens: int) -> None:
         if fetched:
             self._passed.discard(req.rid)
             if self.job is not None and self.job.req is req:
