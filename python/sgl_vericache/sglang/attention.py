@@ -79,6 +79,7 @@ def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = Fa
             self.deterministic = deterministic
             self.skip_rows = ()  # rows deferred this round (staggered verifies): no attention
             self.kernel_batch = None  # (forward batch, what its layers' verify kernel launches share)
+            self.host_rows = None  # (forward batch, its prefix lengths, its token-table rows) on the host
             self.runtime = runtime  # its parking: verify waits for parked KV per layer
             self.kernel = verify_kernel_available(model_runner.device) and not deterministic
 
@@ -91,7 +92,7 @@ def make_verify_backend(model_runner, runtime: Runtime, deterministic: bool = Fa
         def end_forward(self):
             """After a forward: no rows deferred, nothing of its batch kept."""
             self.skip_rows = ()
-            self.kernel_batch = None
+            self.kernel_batch = self.host_rows = None
 
         def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             if not forward_batch.forward_mode.is_target_verify():
@@ -138,8 +139,7 @@ def verify_attention(backend, q, layer, forward_batch, sinks=None):
     k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
     req_to_token = backend.req_to_token_pool.req_to_token
-    seq_lens = forward_batch.seq_lens.tolist()
-    rows = forward_batch.req_pool_indices.tolist()
+    seq_lens, rows = host_rows(backend, forward_batch)
     tree = verify_tree_mask(forward_batch, bs, n, q.device)  # [bs, n, n]
     window = sliding_window(layer)
     cap = logit_cap(layer)  # SGLang's CUDA backends cap, and torch_native as the plugin gives it
@@ -163,6 +163,16 @@ def verify_attention(backend, q, layer, forward_batch, sinks=None):
                       values.transpose(0, 1).float()[None], visible, layer.scaling, sinks, cap)[0]  # [H_q, n, Dv]
         out[b] = o.transpose(0, 1).to(out.dtype)
     return out.reshape(bs * n, hq * dv)
+
+
+def host_rows(backend, forward_batch) -> tuple[list, list]:
+    """The verify batch's prefix lengths and token-table rows on the host, read once a
+    forward (each read waits for the device) and kept until ``end_forward``."""
+    kept = getattr(backend, "host_rows", None)
+    if kept is None or kept[0] is not forward_batch:
+        kept = backend.host_rows = (forward_batch, forward_batch.seq_lens.tolist(),
+                                    forward_batch.req_pool_indices.tolist())
+    return kept[1], kept[2]
 
 
 def verify_on_kernel(backend, q, layer, forward_batch, sinks=None):

@@ -30,12 +30,13 @@ class Stats:
         "full_kv_loaded_tokens": "Parked tokens copied back to the device for a verify",
         "full_kv_bytes_to_host": "Bytes of full KV parked in host memory",
         "full_kv_bytes_to_device": "Bytes of parked full KV copied back to the device",
-        "full_kv_wait_seconds": "Seconds verify waited for parked full KV still being copied back",
+        "full_kv_wait_seconds": "Seconds verify waited for parked full KV still being copied back (on CUDA the "
+                                "host's time only, near 0: the wait is the GPU's)",
         "full_kv_parks": "Requests parked at a round's start because they do not verify in it",
         "full_kv_parks_in_host_pool": "Requests parked in HiCache's host KV pool (the rest: in tensors of "
                                       "VeriCache's own, when there is no host pool or it is full)",
         "full_kv_copy_seconds": "Seconds the background copies of parked full KV back to the device took "
-                                "(on CUDA: queueing on the side stream only)",
+                                "(on CUDA: their GPU time from timing events, once completed)",
         "fetch_draft_requests": "Waiting requests that drafted while their prefix streamed in from a storage tier "
                                 "(--vericache-fetch-draft-tokens)",
         "fetch_draft_steps": "Draft forward steps run for waiting requests (prompt tokens teacher-forced + drafts)",
