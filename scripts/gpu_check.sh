@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared device check (issue 27), for a bare lent GPU machine: Python 3.12, torch,
 # Triton, nvcc; no SGLang, no FlashInfer, no pytest needed, no internet. Runs from the
-# repository root of a working-tree copy, in at most ~8 minutes:
+# repository root of a working-tree copy, in about 6 minutes (351 s at 1348b4a); the step
+# limits below, 11.5 minutes together, only bound a hang:
 #   1. the kernel checks compiled on CUDA (test/kernel_checks.py, every family)   <= 220 s
 #   2. benchmark/bench_kernels.py: launch search, draft vs full-KV, the loader   <= 260 s
 #   3. the serving path's GPU tests: issue 29's CUDA-graph decision check and the full-KV
