@@ -485,3 +485,23 @@ def test_deterministic_inference_makes_every_row_a_seeded_one(monkeypatch):
         monkeypatch.setattr(context, "get_exec", lambda on=on: SimpleNamespace(
             deterministic=SimpleNamespace(enable_deterministic_inference=on)))
         assert seeded_rows(reqs) == want
+
+
+def test_filtering_without_top_k_or_top_p_needs_no_sort(monkeypatch):
+    """Rows that filter by min-p at most skip the full-vocabulary sort (on a GPU at batch 64 x
+    17 verify rows x 128k tokens, gigabytes of sorted copies) and keep exactly what the sorted
+    path keeps."""
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(6, 500, generator=gen) * 3, dim=-1)
+    min_ps = torch.tensor([0.0, 0.05, 0.2, 0.5, 1.0, 0.01])
+    ordered, order = probs.sort(dim=-1, descending=True, stable=True)  # the sorted path's rule, by hand
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, ordered >= ordered[:, :1] * min_ps[:, None])
+    reference = probs.masked_fill(~keep, 0.0)
+    calls = []
+    original = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    fast = filter_probs(probs, -1, 1.0, min_ps)
+    assert not calls and torch.equal(fast, reference)
+    assert torch.equal(filter_probs(probs, -1, 1.0, 0.0), probs)
+    filter_probs(probs, 5, 1.0, 0.0)
+    assert calls  # top-k still sorts

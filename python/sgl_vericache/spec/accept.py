@@ -97,6 +97,8 @@ def filter_probs(probs: torch.Tensor, top_ks: PerRow, top_ps: PerRow, min_ps: Pe
     top_ks = torch.where((top_ks < 1) | (top_ks > vocab), vocab, top_ks)
     top_ps = _per_row(top_ps, rows, torch.float32, probs.device)
     min_ps = _per_row(min_ps, rows, torch.float32, probs.device)
+    if not bool(((top_ks < vocab) | (top_ps < 1.0)).any()):  # min-p at most: no full-vocabulary sort
+        return probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_ps, 0.0)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [rows, V]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     rank = torch.arange(vocab, device=probs.device)
