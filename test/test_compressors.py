@@ -554,3 +554,25 @@ def test_compressor_is_the_interface():
         comp = get_compressor(name)
         assert isinstance(comp, KVCompressor) and isinstance(comp.needs_queries, bool)
     assert get_compressor("snapkv").query_window == 32 and get_compressor("h2o").query_window is None
+
+
+def test_streamingllm_appends_find_their_ends_without_reading_positions():
+    """StreamingLLM's append counts the sinks and window it keeps from token counts alone
+    (no read of the positions from the device: a wait per layer and request every round on a
+    GPU), the same ends as searching the positions, over growing entries, ratios, sinks and
+    appends of every size; an entry of another shape falls back to the search."""
+    from sgl_vericache.mem_cache.compress.drop import KeptTokensLayer
+
+    for ratio, sinks, min_budget in ((4.0, 4, 8), (2.0, 1, 3), (8.0, 16, 32), (1.5, 0, 2)):
+        comp = get_compressor("streamingllm", ratio, num_sinks=sinks, min_budget=min_budget)
+        layer = comp.compress(*make_kv(0))
+        for step, added in enumerate([1, 3, 7, 1, 30, 2, 64, 5, 1, 100, 17] * 2):
+            positions = torch.cat([layer.positions[:, 0], torch.arange(layer.num_tokens, layer.num_tokens + added)])
+            want = comp.kept_ends(positions, layer.num_tokens + added)
+            assert comp.appended_ends(layer, added) == want, (ratio, sinks, step, added)
+            layer = comp.append(layer, *make_kv(added))
+            kept = layer.positions[:, 0]
+            assert kept.shape[0] == comp.budget(layer.num_tokens) and bool((kept[1:] > kept[:-1]).all())
+    odd = KeptTokensLayer(10, 2, 16, torch.float32, torch.zeros(3, 2, 16), torch.zeros(3, 2, 16),
+                          torch.tensor([[0, 0], [5, 5], [9, 9]], dtype=torch.int32), None)
+    assert get_compressor("streamingllm", 4.0, min_budget=8).appended_ends(odd, 1) is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -113,14 +114,38 @@ class StreamingLLMCompressor(TokenDropper):
                 f"accepted: an integer in [num_sinks={self.options['num_sinks']}, inf]"
             )
 
+    def _bounds(self, num_tokens: int) -> tuple[int, int]:
+        """(sinks, window start) of what ``num_tokens`` tokens keep: positions below the first
+        and from the second on (all of them while the budget holds every token)."""
+        budget = self.budget(num_tokens)
+        sinks = min(self.options["num_sinks"], budget)
+        return sinks, num_tokens - (budget - sinks)
+
     def kept_ends(self, positions: torch.Tensor, num_tokens: int) -> tuple[int, int]:
         """positions [N] ascending -> (head, tail): keep the first ``head`` and the last ``tail``
         of them, the sinks and the recent window (disjoint: the window starts past the sinks)."""
-        budget = self.budget(num_tokens)
-        sinks = min(self.options["num_sinks"], budget)
-        bounds = torch.tensor([sinks, num_tokens - (budget - sinks)], dtype=positions.dtype, device=positions.device)
+        sinks, window = self._bounds(num_tokens)
+        bounds = torch.tensor([sinks, window], dtype=positions.dtype, device=positions.device)
         head, window_start = torch.searchsorted(positions.contiguous(), bounds).tolist()
         return head, positions.shape[0] - window_start
+
+    def appended_ends(self, layer, added: int) -> Optional[tuple[int, int]]:
+        """``kept_ends`` of ``layer``'s positions followed by ``added`` new ones, from the
+        token counts alone: the layer holds what this compressor keeps of its tokens (the
+        sinks below ``s`` and the window from ``w``), so how many of its positions lie below a
+        bound is arithmetic, with no read of its positions from the device (on a GPU a wait
+        per layer and request every round). None when the layer's size does not fit that
+        shape (the caller reads the positions)."""
+        old = layer.num_tokens
+        s, w = self._bounds(old)
+        if layer.k.shape[0] != s + (old - w):
+            return None
+
+        def below(x: int) -> int:  # positions < x among the layer's and the added ones
+            return min(max(x, 0), s) + max(0, min(x, old) - w) + max(0, min(x, old + added) - old)
+
+        sinks, window = self._bounds(old + added)
+        return below(sinks), layer.k.shape[0] + added - below(window)
 
     def compress(self, k, v, queries=None):
         check_kv(k, v)
@@ -134,7 +159,8 @@ class StreamingLLMCompressor(TokenDropper):
         num_tokens = layer.num_tokens + k.shape[0]
         new_pos = self._new_positions(layer.num_tokens, k.shape[0], layer.num_kv_heads, k.device)
         positions = torch.cat([layer.positions, new_pos])
-        head, tail = self.kept_ends(positions[:, 0], num_tokens)  # same tokens in every head
+        ends = self.appended_ends(layer, k.shape[0])
+        head, tail = ends if ends is not None else self.kept_ends(positions[:, 0], num_tokens)  # same in every head
         assert head + tail == self.budget(num_tokens), "an evicted token was needed again"
 
         def kept(x):  # two slices, not a boolean index: 2x faster per append of a steady round
