@@ -505,3 +505,38 @@ def test_filtering_without_top_k_or_top_p_needs_no_sort(monkeypatch):
     assert torch.equal(filter_probs(probs, -1, 1.0, 0.0), probs)
     filter_probs(probs, 5, 1.0, 0.0)
     assert calls  # top-k still sorts
+
+
+def test_penalties_apply_in_one_order_in_every_process():
+    """SGLang's orchestrator applies penalizers in the order of a set of classes, which
+    follows their addresses: a request with presence and repetition penalties was penalized
+    presence-then-repetition in one process and the other way in the next (seen: three
+    processes, three orders). With the plugin, additive penalties come first and repetition
+    last, as SGLang's accumulated buffers apply them, whatever order it is given."""
+    from types import SimpleNamespace as N
+
+    import sglang.srt.sampling.penaltylib as lib
+    from sglang.srt.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
+
+    from sgl_vericache.sglang.runtime import Runtime
+    from sgl_vericache.sglang.sampling import install_penalty_order
+
+    install_penalty_order(Runtime())  # this hook alone (register_all would patch the samplers the tests above read)
+    params = N(frequency_penalty=0.0, presence_penalty=0.5, repetition_penalty=1.5, min_new_tokens=0,
+               stop_token_ids=None)
+    req = N(sampling_params=params, eos_token_ids=None, tokenizer=N(additional_stop_token_ids=None, eos_token_id=None))
+
+    class Batch:
+        reqs, device = [req], "cpu"
+
+    batch = Batch()
+    worst = [lib.BatchedRepetitionPenalizer, lib.BatchedPresencePenalizer, lib.BatchedMinNewTokensPenalizer,
+             lib.BatchedFrequencyPenalizer]  # repetition first: the order a process's set may give
+    orchestrator = BatchedPenalizerOrchestrator(8, batch, worst)
+    assert [c.__name__ for c in orchestrator.penalizers] == [
+        "BatchedFrequencyPenalizer", "BatchedMinNewTokensPenalizer", "BatchedPresencePenalizer",
+        "BatchedRepetitionPenalizer"]
+    orchestrator.cumulate_output_tokens(torch.tensor([3]))
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.2, 4.0, 5.0, 6.0, 7.0]])
+    orchestrator.apply(logits)
+    assert float(logits[0, 3]) == pytest.approx((0.2 - 0.5) * 1.5)  # presence subtracted, then the negative scaled

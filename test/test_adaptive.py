@@ -722,3 +722,43 @@ def test_learned_costs_do_not_depend_on_the_processs_string_hashing():
         assert r.returncode == 0, r.stderr[-2000:]
         outs.add(r.stdout)
     assert len(outs) == 1, outs
+
+
+def test_rows_that_draft_nothing_are_priced_at_one_token_and_no_draft_steps():
+    """A penalized request (plan.one_token_at_a_time) drafts nothing: the controller counts
+    one token for it whatever the draft length, and no draft-step cost."""
+    ctl = Controller(max_draft_len=16)
+    rows = _rows(2, 4000)
+    penalized = [Row(r.rid, r.full_kv, r.draft_kv, r.compressor, one_token=True) for r in rows]
+    assert ctl.tokens(penalized, 8) == 2.0
+    assert ctl.tokens(rows[:1] + penalized[1:], 8) == pytest.approx(expected_tokens(ctl.alpha(rows[0].rid, "streamingllm", 4000), 8) + 1)
+    assert ctl.costs.forward_seconds(penalized, 8) == pytest.approx(ctl.costs.verify_seconds(penalized, 9))
+    assert ctl.costs.forward_seconds(rows, 8) > ctl.costs.forward_seconds(penalized, 8)
+
+
+def test_draft_steps_are_priced_padded_on_the_dense_path_only():
+    """The CPU path's dense draft buffers pad every row to the longest; the GPU kernels read
+    each row's own entry. A kivi4 row beside seven droppers' rows at 8k: padded, every row
+    reads the quantizer's 8k tokens; on the kernels, the droppers read their own 2k."""
+    rows = [Row("q", 8000, 8000, "kivi4")] + [Row(f"d{i}", 8000, 2000, "streamingllm") for i in range(7)]
+    padded, own = Controller(max_draft_len=16), Controller(max_draft_len=16, padded_drafts=False)
+    assert padded.costs.draft.base_x(rows)[2] == pytest.approx(64.0)
+    assert own.costs.draft.base_x(rows)[2] == pytest.approx(22.0)
+    assert own.costs.draft.predict(rows) < padded.costs.draft.predict(rows)
+
+
+def test_the_speculator_prices_drafts_as_its_store_reads_them():
+    from types import SimpleNamespace
+
+    import torch
+
+    from sgl_vericache.config import VeriCacheConfig
+    from sgl_vericache.spec.round import Speculator
+    from sgl_vericache.spec.stats import Stats
+
+    seam = SimpleNamespace(device="cpu", num_layers=2, context_len=4096, windows={}, abort=None)
+    spec = Speculator(VeriCacheConfig(adaptive=True, compressed_cache_mb=0), seam, Stats(False),
+                      torch.Generator().manual_seed(0))
+    assert spec.planner.controller.costs.draft.padded  # the CPU path: dense, padded buffers
+    spec.store.draft_kernels = True  # the kernels (CI reaches them under the interpreter)
+    assert not spec._drafts_padded()

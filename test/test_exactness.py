@@ -52,8 +52,11 @@ def first_divergence(ours, ref):
 def reference_outputs(model_path, ids, max_new_tokens, extra=None):
     """Speculation-off greedy outputs (token ids, and the top-2 logprobs at every step, for
     near-tie diagnosis), from an engine that is shut down before returning. ``extra(engine,
-    greedy_ids)`` computes further references in the same engine."""
-    engine = _engine(model_path)
+    greedy_ids)`` computes further references in the same engine. Without overlap scheduling,
+    as VERICACHE runs: under it SGLang penalizes a request's last prompt token and then each
+    output token one step late (it reads the output before the last step's token is in it),
+    so a penalized request's ids depend on the flag, speculation off or on."""
+    engine = _engine(model_path, disable_overlap_schedule=True)
     try:
         out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0},
                               return_logprob=True, top_logprobs_num=2)
@@ -92,6 +95,22 @@ def stop_params(tok, greedy):
         {"max_new_tokens": 128, "temperature": 0, "stop": [text.strip() or text]},
         {"max_new_tokens": 7, "temperature": 0},
         {"max_new_tokens": 128, "temperature": 0, "stop": ["\n"], "no_stop_trim": True},
+    ]
+
+
+def penalized_params(greedy):
+    """Requests whose sampling SGLang penalizes once an iteration: frequency, repetition and
+    presence penalties, greedy and seeded, and a stop token held back by min_new_tokens (the
+    greedy reference's token at position 10, barred until 24 tokens are out). None combines
+    an additive penalty (frequency, presence) with the multiplicative one (repetition):
+    SGLang applies the two kinds in an order that depends on its scheduling path and, on one
+    of them, on a set's iteration order in the process, so such a request is not
+    reproducible across SGLang engines, speculation off or on (docs/exactness.md)."""
+    return [
+        {"max_new_tokens": 40, "temperature": 0, "frequency_penalty": 0.8},
+        {"max_new_tokens": 40, "temperature": 0, "repetition_penalty": 1.3},
+        {"max_new_tokens": 40, "temperature": 0, "stop_token_ids": [greedy[2][10]], "min_new_tokens": 24},
+        {"max_new_tokens": 40, "temperature": 0.8, "sampling_seed": 5, "presence_penalty": 0.5},
     ]
 
 
@@ -153,7 +172,9 @@ def _extra_references(model_path, ids):
         seeded = engine.generate(input_ids=ids[:4], sampling_params=SEEDED)
         stops = stop_params(tok, greedy)
         stopped = engine.generate(input_ids=ids[:4], sampling_params=stops)
+        penalized = engine.generate(input_ids=ids[:4], sampling_params=penalized_params(greedy))
         return {"seeded": [o["output_ids"] for o in seeded], "stops": stops,
+                "penalized": [o["output_ids"] for o in penalized],
                 "stopped": [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in stopped],
                 "conversation": conversation(engine, ids[2], tool_turns(tok), CONVERSATION_TOKENS),
                 "shared": [(p, engine.generate(input_ids=p, sampling_params=SHARED_PARAMS)["output_ids"])
@@ -347,6 +368,23 @@ def test_seeded_sampling_is_token_identical(reference, vc_engine, default_model_
     # nothing and were left out of the verify forward
     assert after["deferred_rows"] > before["deferred_rows"], (before, after)
     assert after["verify_rows_skipped"] - before["verify_rows_skipped"] == after["deferred_rows"] - before["deferred_rows"]
+
+
+def test_penalized_sampling_is_token_identical(reference, steady_engine, default_model_path):
+    """Penalties and min_new_tokens, which SGLang accumulates once an iteration: their
+    requests draft nothing (one token a round), so their ids equal speculation off's, while
+    the batch's other rows keep drafting. On the engine without forced preemption: a
+    retracted request's penalties start again from zero when it resumes, in SGLang itself,
+    with or without speculation (the reference never preempts)."""
+    ids = _input_ids(default_model_path, CI_PROMPTS[:4])
+    params = [_with_vc(p, "kivi4", 8) for p in penalized_params(reference[:4])]
+    outs = steady_engine.generate(input_ids=ids + ids[:1], sampling_params=params + [
+        _with_vc({"max_new_tokens": 40, "temperature": 0}, "kivi4", 8)])
+    for i, (out, want) in enumerate(zip(outs, reference.extra["penalized"])):
+        assert out["output_ids"] == want, (i, params[i], first_divergence(out["output_ids"], want))
+    assert outs[2]["output_ids"][10] != reference[2][10] and len(outs[2]["output_ids"]) >= 24  # min_new_tokens held
+    assert outs[4]["output_ids"] == reference[0][:40]
+    assert outs[4]["meta_info"]["spec_verify_ct"] < 40  # the unpenalized row still drafted
 
 
 def test_stop_conditions_inside_drafts(reference, vc_engine, default_model_path):

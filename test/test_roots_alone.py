@@ -262,3 +262,58 @@ def test_the_pause_books_nothing_against_an_earlier_batch():
     seam.passes.oom = False
     assert [iteration(reqs) for _ in range(3)] == [0, 0, 0]
     assert seen == [("round", ["a", "b"])]  # the pause's plain steps: nothing learned
+
+
+def test_penalized_requests_draft_nothing_and_emit_one_token_a_round():
+    """SGLang accumulates penalties (and min_new_tokens' count) once an iteration from the
+    last output token: a request with them drafts nothing, so its rounds emit one token, as
+    decoding does, while its batch-mates draft; a batch of such requests alone decodes
+    plainly. min_new_tokens holds only until the output reaches it."""
+    seam = _Seam()
+    spec = _speculator(seam)
+    drafted_rows = []
+    for_rows = seam.passes.for_rows
+    seam.passes.for_rows = lambda source, keep: drafted_rows.append(list(keep)) or for_rows(source, keep)
+    plain, penalized, held = _req("a", 300), _req("b", 200), _req("c", 250)
+    penalized.sampling_params.frequency_penalty = 0.5
+    held.sampling_params.min_new_tokens = 3  # one output token so far (_req's 7)
+    out = _round(spec, [plain, penalized, held])
+    assert out.width == 5 and spec.lens == [4, 0, 0] and drafted_rows == [[0]]
+    tokens = out.tokens.reshape(3, 5)
+    assert list(tokens[0]) == [7, 5, 5, 5, 5] and (tokens[1:] == 7).all()  # roots alone for b and c
+    assert spec.begin_iteration([penalized, held], [200, 250], max_width=5) == 0  # nothing would draft: plain
+    spec.end_plain(0.01, 0.0)
+    assert spec.begin_iteration([penalized, held], [200, 250], max_width=5, must_round=True) == 1
+    spec.planner.undecided()
+    held.output_ids = [7, 7, 7]  # min_new_tokens reached: it drafts again
+    for name, value in (("presence_penalty", 0.2), ("repetition_penalty", 1.1)):
+        other = _req("d", 100)
+        setattr(other.sampling_params, name, value)
+        out = _round(spec, [held, other])
+        assert spec.lens == [4, 0], name
+
+
+def test_penalized_requests_verify_in_every_round_under_a_full_kv_budget():
+    """Staggered verifies leave a row out of a round, which emits nothing for it; SGLang
+    would then count its last output token's penalty again at the next iteration. A
+    penalized row verifies in every round, first, whatever the budget; of the others the
+    longest waiting still always verifies (no one starves)."""
+    from sgl_vericache.spec.round import verifying_rows
+
+    assert verifying_rows(100, [80, 80, 80], [0, 5, 0]) == [False, True, False]
+    assert verifying_rows(100, [80, 80, 80], [0, 5, 0], [False, False, True]) == [False, True, True]
+    assert verifying_rows(0, [80, 80], [9, 0], [True, True]) == [True, True]
+    assert verifying_rows(200, [80, 80, 80], [0, 5, 0], [True, False, False]) == [True, True, False]
+    seam = _Seam()
+    spec = _speculator(seam, full_device_budget=0)
+    reqs = [_req("a", 300), _req("b", 200), _req("c", 250)]
+    reqs[1].sampling_params.repetition_penalty = 1.2
+    deferred = []
+    for _ in range(4):
+        width = spec.begin_iteration(reqs, [300, 200, 250], max_width=5)
+        spec.draft_round(_batch(reqs), width)
+        assert spec.lens[1] == 0 and not spec.parking.is_parked("b")
+        deferred.append(spec.close_round())
+        spec.count_round(reqs, [1, 1, 1], deferred[-1], 0.01, 0.0)
+    assert all(1 not in d and len(d) == 1 for d in deferred), deferred  # a and c take turns
+    assert {0, 2} == set().union(*deferred)

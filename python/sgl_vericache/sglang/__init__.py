@@ -46,6 +46,7 @@ def register_all() -> Runtime:
         spec_algorithm.install_spec_algorithm,  # --speculative-algorithm VERICACHE
         sampling.install_seeded_sampling,  # sampling_seed on the pytorch sampler, per row
         sampling.install_verify_sampler,  # sampled rounds' acceptance; deferred rows accept nothing
+        sampling.install_penalty_order,  # additive penalties before repetition, in every process
         hicache.install_cpu_hicache,  # HiCache with a CPU device pool; load timing
         attention.install_cpu_extend_attention,  # torch_native extend: new rows only
         radix.install_radix_cache_backend,  # --radix-cache-backend vericache; integrity at idle

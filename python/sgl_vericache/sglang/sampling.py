@@ -2,8 +2,9 @@
 batches that sample.
 
 Touches ``SamplingBatchInfo.from_schedule_batch`` (every request gets a seed on the
-pytorch backend), ``layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch`` (a seeded
-row's draw depends on its own row only), ``Sampler._sample_from_probs`` (called, to draw as
+pytorch backend), ``BatchedPenalizerOrchestrator.__init__`` (penalties in one order),
+``layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch`` (a seeded row's draw depends
+on its own row only), ``Sampler._sample_from_probs`` (called, to draw as
 SGLang draws) and ``speculative.ngram_worker.eagle_sample`` (NGRAM's verify acceptance,
 which on CPU always commits argmax; a VERICACHE batch that samples is accepted by
 ``spec.sampled_round.SampledRound`` instead).
@@ -83,6 +84,27 @@ def install_seeded_per_row_sampling(runtime: Runtime) -> None:
         return sample
 
     patch(sampler_mod, "top_k_top_p_min_p_sampling_from_probs_torch", runtime, make)
+
+
+def install_penalty_order(runtime: Runtime) -> None:
+    """SGLang applies a batch's penalties in one of two ways: from buffers accumulated
+    before the forward (the additive ones, frequency and presence, then the multiplicative
+    one, repetition), or penalizer by penalizer in the order of the dict its orchestrator
+    builds from a *set* of classes, whose iteration order follows the classes' addresses and
+    so changes from process to process. A request with both an additive penalty and
+    repetition was then penalized in a different order by different engines (or runs), and
+    its ids differed, speculation on or off. Here the orchestrator keeps its penalizers in
+    the buffers' order: additive ones first (by name), repetition last."""
+    from sglang.srt.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
+
+    def make(original):
+        def __init__(self, vocab_size, batch, penalizers):
+            ordered = sorted(penalizers, key=lambda c: (bool(getattr(c, "is_multiplicative", False)), c.__name__))
+            original(self, vocab_size, batch, ordered)
+
+        return __init__
+
+    patch(BatchedPenalizerOrchestrator, "__init__", runtime, make)
 
 
 def install_verify_sampler(runtime: Runtime) -> None:

@@ -125,13 +125,16 @@ class Controller:
     CALIBRATION_PLAIN = 3  # plain steps measured early (the first iteration, then every 4th), before trusting
     CALIBRATION_ROUNDS = 3  # rounds measured early (every 4th iteration while plain is chosen), before trusting
 
-    def __init__(self, max_draft_len: int, allow_plain: bool = True, schedule: Sequence[int] = ()):
+    def __init__(self, max_draft_len: int, allow_plain: bool = True, schedule: Sequence[int] = (),
+                 padded_drafts: bool = True):
         """``schedule``: draft lengths to cycle through instead of deciding (0 = plain), so
-        that tests switch modes deterministically (``VERICACHE_ADAPTIVE_SCHEDULE``)."""
+        that tests switch modes deterministically (``VERICACHE_ADAPTIVE_SCHEDULE``);
+        ``padded_drafts``: draft steps read every row padded to the longest (the CPU path; the
+        GPU kernels read each row's own length)."""
         self.max_draft_len = max_draft_len
         self.schedule, self.scheduled = list(schedule), 0
         self.allow_plain = allow_plain  # False under a full-KV device budget (every round drafts)
-        self.costs = Costs()
+        self.costs = Costs(padded=padded_drafts)
         self.priors = {}  # compressor -> Acceptance shared by its requests (the prior the next one starts from)
         self.rows = {}  # rid -> its own Acceptance
         self.speculating = True
@@ -213,6 +216,9 @@ class Controller:
         it has left (drafts past that are verified for nothing)."""
         total = 0.0
         for r in rows:
+            if r.one_token:  # it drafts nothing: its root's token
+                total += 1.0
+                continue
             d = r.draft_len or draft_len
             if r.remaining is not None:
                 d = min(d, max(r.remaining - 1, 0))
@@ -299,7 +305,7 @@ class Controller:
         steady rounds only: a request's first round, or its first after a switch, compresses
         its whole prompt once, and would price every later round as if it did again); row i drafted ``drafted[i]`` tokens of which verify
         accepted ``accepted[i]`` (a deferred row: 0 drafted)."""
-        drafting = [r for r in rows if not r.queued]
+        drafting = [r for r in rows if not r.queued and not r.one_token]
         new = [r for r in rows if r.rid not in self.rows]  # their first round: whole entries built, once
         if not new:
             self.costs.observe_residual(rows, self.costs.forward_seconds(rows, steps), draft_seconds + verify_seconds)
@@ -346,8 +352,8 @@ class Controller:
         and the rest like this one; with ``current``, another wins only by ``margin``.
 
         The batch is priced whole because its rows draft together: one row reading a dense
-        4k-token copy makes every row's draft step as dear (the draft buffers are padded to
-        the longest row), so a request whose dropper drafts fail must not move to a quantizer
+        4k-token copy makes every row's draft step as dear (on the CPU path the draft buffers
+        are padded to the longest row), so a request whose dropper drafts fail must not move to a quantizer
         on its own tokens per second while three others keep drafting well.
 
         A new request may instead try a candidate whose drafts were never measured near its

@@ -54,6 +54,22 @@ def _finished(req) -> bool:
     return bool(finished()) if callable(finished) else False
 
 
+def one_token_at_a_time(req) -> bool:
+    """Whether ``req`` must emit one token an iteration to sample as speculation off does.
+    SGLang accumulates the frequency, presence and repetition penalties, and min_new_tokens'
+    count of output tokens, once an iteration from the last output token (under speculation
+    too: its relaxed rule), so a round that emitted several tokens for the request would
+    penalize, or hold back its stop tokens, differently from decoding. Such a request drafts
+    nothing: its rounds verify its last token alone, exactly a decode step. For min_new_tokens
+    only until it is reached (the count, one an iteration, equals the output's length then,
+    and both stay past it)."""
+    params = req.sampling_params
+    return (getattr(params, "frequency_penalty", 0.0) not in (0, None)
+            or getattr(params, "presence_penalty", 0.0) not in (0, None)
+            or getattr(params, "repetition_penalty", 1.0) not in (1, None)
+            or len(req.output_ids) < (getattr(params, "min_new_tokens", 0) or 0))
+
+
 def _remaining(req) -> Optional[int]:
     """Tokens ``req`` may still emit before its ``max_new_tokens`` (None: no limit known)."""
     limit = getattr(req.sampling_params, "max_new_tokens", None)
@@ -61,8 +77,10 @@ def _remaining(req) -> Optional[int]:
 
 
 class Planner:
-    def __init__(self, vc: VeriCacheConfig, stats, abort, default_compressor: KVCompressor):
-        """``abort(req, message, status=400)`` ends one request (the seam's)."""
+    def __init__(self, vc: VeriCacheConfig, stats, abort, default_compressor: KVCompressor,
+                 padded_drafts: bool = True):
+        """``abort(req, message, status=400)`` ends one request (the seam's); ``padded_drafts``:
+        the controller's (see Controller)."""
         self.vc, self.stats, self.abort = vc, stats, abort
         self.default_compressor = default_compressor
         self.plans = {}  # rid -> Plan
@@ -70,7 +88,8 @@ class Planner:
         self.controller = None
         if vc.adaptive:
             schedule = [int(d) for d in os.environ.get(SCHEDULE_ENV, "").split(",") if d.strip()]
-            self.controller = Controller(vc.draft_len, allow_plain=vc.full_device_budget < 0, schedule=schedule)
+            self.controller = Controller(vc.draft_len, allow_plain=vc.full_device_budget < 0, schedule=schedule,
+                                         padded_drafts=padded_drafts)
         self.switch_every = int(os.environ.get(SWITCH_ENV, "0") or 0)
         self.rounds = 0
         self.decision: Optional[Decision] = None  # this decode iteration's, with the controller on
@@ -183,7 +202,8 @@ class Planner:
             return True
         plans = [self.plan(r, len(reqs)) for r in reqs]
         self.rows = [Row(req.rid, n, int(n * draft_kv_fraction(plan.compressor)), plan.compressor.name,
-                         plan.draft_len if plan.fixed else None, req.rid in queued, _remaining(req))
+                         plan.draft_len if plan.fixed else None, req.rid in queued, _remaining(req),
+                         one_token_at_a_time(req))
                      for req, n, plan in zip(reqs, verified, plans)]
         self.decision = self.controller.decide(self.rows, force=must_round)
         if self.trace is not None:

@@ -43,7 +43,7 @@ from sgl_vericache.cpu.linear import weights_generation
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
 from sgl_vericache.spec.drafter import CompressedKVStore
 from sgl_vericache.spec.fetch_drafting import FetchDrafter
-from sgl_vericache.spec.plan import Plan, Planner
+from sgl_vericache.spec.plan import Plan, Planner, one_token_at_a_time
 from sgl_vericache.spec.stats import Stats
 from sgl_vericache.spec.window_draft import WindowedDraft
 
@@ -122,19 +122,23 @@ def layer_queries(captured: Optional[dict], num_layers: int) -> Optional[list]:
     return [captured.get(layer_id) for layer_id in range(num_layers)]
 
 
-def verifying_rows(budget: int, own_kv: Sequence[int], waited: Sequence[int]) -> list[bool]:
+def verifying_rows(budget: int, own_kv: Sequence[int], waited: Sequence[int],
+                   forced: Optional[Sequence[bool]] = None) -> list[bool]:
     """Staggered verifies under a full-KV device budget: which rows verify this round.
-    Requests that waited longest go first; one verifies when its own full KV fits in what
-    is left of the budget, and the first always does, so every round makes progress and no
-    request starves. ``budget`` < 0: every row verifies."""
+    ``forced`` rows always do, first; then requests that waited longest; one verifies when
+    its own full KV fits in what is left of the budget, and the first of them always does,
+    so every round makes progress and no request starves. ``budget`` < 0: every row
+    verifies."""
     if budget < 0:
         return [True] * len(own_kv)
-    order = sorted(range(len(own_kv)), key=lambda i: -waited[i])
-    left, chosen = budget, [False] * len(own_kv)
-    for k, i in enumerate(order):
-        if k == 0 or own_kv[i] <= left:
+    forced = forced or [False] * len(own_kv)
+    order = sorted(range(len(own_kv)), key=lambda i: (not forced[i], -waited[i]))
+    left, chosen, first = budget, [False] * len(own_kv), True
+    for i in order:
+        if forced[i] or first or own_kv[i] <= left:
             chosen[i] = True
             left = max(0, left - own_kv[i])
+            first = first and forced[i]
     return chosen
 
 
@@ -162,7 +166,8 @@ class Speculator:
         self.tier = None  # CompressedTier: evicted compressed entries in the storage tier
         # attached at the first forward or fetch-draft poll (SGLang's tree exists by then)
         self._tier_pending = self.fetch_drafter is not None
-        self.planner = Planner(vc, stats, seam.abort, self.store.compressor)  # and, adaptive, the controller
+        # and, adaptive, the controller, which prices draft steps as the store's path reads them
+        self.planner = Planner(vc, stats, seam.abort, self.store.compressor, padded_drafts=self._drafts_padded())
         # the GPU kernels: the head layout they were warmed for and what the warm-up did (warm_up_kernels)
         self.kernels = {"head_layout": None, "draft": "not warmed yet", "verify": "not warmed yet"}
         self.lens, self.draft_seconds = (), 0.0  # what this round drafted, per row, and how long it took
@@ -322,7 +327,19 @@ class Speculator:
         one width, so the row nearest the context's end bounds them all; 0 at its last
         position)."""
         room = min(self.seam.context_len - 1 - n for n in verified)
-        return [max(0, min(self.planner.draft_len(self.plan(req)), room)) for req in reqs]
+        return [0 if one_token_at_a_time(req) else max(0, min(self.planner.draft_len(self.plan(req)), room))
+                for req in reqs]
+
+    def _drafts_padded(self) -> bool:
+        """Whether a draft step reads every row's KV padded to the longest (the dense draft
+        buffers of the CPU path), not each row's own (the GPU kernels)."""
+        if self.store.draft_kernels is not None:
+            return not self.store.draft_kernels
+        if torch.device(self.seam.device).type != "cuda":
+            return True
+        from sgl_vericache.kernels import draft_attention_available
+
+        return not draft_attention_available(self.seam.device)
 
     def begin_iteration(self, reqs, verified: Sequence[int], max_width: int, must_round: bool = False) -> int:
         """Decide a decode iteration: 0 = plain decoding (no drafts, SGLang's one-token step),
@@ -341,6 +358,10 @@ class Speculator:
             self.roots_alone = True
             self.stats.add("spec_iterations", 1)
             return 1
+        if not must_round and self.vc.full_device_budget < 0 and all(one_token_at_a_time(r) for r in reqs):
+            self.planner.undecided()  # nothing would draft: SGLang's own step is that round, cheaper
+            self.stats.add("plain_iterations", 1)
+            return 0
         if not self.planner.decide(reqs, verified, queued, must_round):
             self.stats.add("plain_iterations", 1)
             return 0
@@ -384,7 +405,7 @@ class Speculator:
         drafts = None
         if not failed:
             try:
-                drafts = self._draft(batch, roots, steps, queued)  # [bs, steps]
+                drafts = self._draft(batch, roots, steps, queued, lens)  # [bs, steps]
             except torch.OutOfMemoryError as exc:
                 if not self._out_of_memory(exc):
                     raise
@@ -493,12 +514,16 @@ class Speculator:
         self.stats.prefix_cache(self.prefix_cache)
 
     def _verifying_rows(self, batch: RoundBatch) -> list[bool]:
-        """Which rows verify this round (``verifying_rows``); with logprobs or a grammar, all."""
+        """Which rows verify this round (``verifying_rows``); with logprobs or a grammar, all.
+        Rows that emit one token an iteration (``one_token_at_a_time``) verify in every round:
+        SGLang accumulates their penalties from the last output token once an iteration, so
+        an iteration that emitted nothing for them would count that token again."""
         if batch.verify_all:
             return [True] * len(batch.reqs)
         own = [n - start for n, start in zip(batch.verified, batch.own_kv_start)]
         waited = [self.waited.get(req.rid, 0) for req in batch.reqs]
-        return verifying_rows(self.vc.full_device_budget, own, waited)
+        forced = [one_token_at_a_time(req) for req in batch.reqs]
+        return verifying_rows(self.vc.full_device_budget, own, waited, forced)
 
     def _stage_full_kv(self, batch: RoundBatch, verifying: list[bool]) -> None:
         """At a round's start (compressed entries already synced): park the own full KV
@@ -529,13 +554,14 @@ class Speculator:
         self.queued_rows = tuple(queued)
         return queued
 
-    def _draft(self, batch: RoundBatch, roots: list[int], steps: int, queued: dict) -> np.ndarray:
-        """[bs, steps] drafts. Rows deferred this round draft nothing (their roots stand
+    def _draft(self, batch: RoundBatch, roots: list[int], steps: int, queued: dict, lens: list[int]) -> np.ndarray:
+        """[bs, steps] drafts. Rows deferred this round, and rows whose draft length is 0
+        (penalized sampling, the context's last position), draft nothing (their roots stand
         in); rows with drafts made ahead (queued) take those; the rest draft ``steps``
         tokens, one forward pass over the compressed entries per step."""
         bs = len(batch.reqs)
         deferred = set(self.deferred)
-        keep = [i for i in range(bs) if i not in deferred and i not in queued]
+        keep = [i for i in range(bs) if i not in deferred and i not in queued and lens[i] > 0]
         drafts = np.repeat(np.asarray(roots, dtype=np.int64)[:, None], steps, axis=1)
         for i, tokens in queued.items():
             drafts[i, :len(tokens)] = tokens
@@ -551,7 +577,8 @@ class Speculator:
         device = self.seam.device
         tokens = torch.tensor([roots[i] for i in keep], dtype=torch.int64, device=device)
         positions = torch.tensor([batch.verified[i] for i in keep], dtype=torch.int64, device=device)
-        out = torch.empty((len(keep), steps), dtype=torch.int64)
+        # on the device: one copy to the host after the last step, not a wait at every step
+        out = torch.empty((len(keep), steps), dtype=torch.int64, device=device)
         source = self.store
         if self.windowed is not None:
             widest = self.windowed.widest
@@ -567,11 +594,11 @@ class Speculator:
                         tokens = torch.argmax(logits, dim=-1)
                     else:
                         tokens = self.seam.agree_tokens(self.sampled.draw(logits, positions + step).contiguous())
-                    out[:, step] = tokens.cpu()
+                    out[:, step] = tokens
         finally:
             if self.windowed is not None:
                 self.windowed.end_round()
-        drafts[keep] = out.numpy()
+        drafts[keep] = out.cpu().numpy()
         return drafts
 
     # -- the storage tier behind the compressed prefix cache -----------------------------

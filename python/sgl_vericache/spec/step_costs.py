@@ -32,6 +32,7 @@ class Row:
     draft_len: Optional[int] = None  # its own custom_params draft length (it then always drafts that)
     queued: bool = False  # drafts made ahead wait for it: a round costs it no draft steps
     remaining: Optional[int] = None  # tokens it may still emit (max_new_tokens less its output), None: unknown
+    one_token: bool = False  # it drafts nothing, one token a round (plan.one_token_at_a_time: penalties)
 
 
 class OnlineLinear:
@@ -255,6 +256,9 @@ class Costs:
     # (compressor, context band) -> measured over modeled seconds of its steady rounds: what the
     # linear models miss (a quantizer's dense 4k copies at batch 4 ran rounds 1.5-2x the model)
     residual: dict = field(default_factory=dict)
+    # draft steps read every row's KV padded to the longest row (the CPU path's dense draft
+    # buffers); False on the GPU kernels, which read each row's own length
+    padded: bool = True
 
     SETUP_RATE = 0.3
     # a build's prior before any is measured (2.1 s for streamingllm's 4 x 4k first round, 11 s
@@ -265,7 +269,7 @@ class Costs:
 
     def __post_init__(self):
         if self.draft is None:
-            self.draft = DraftCost(self.plain)
+            self.draft = DraftCost(self.plain, padded=self.padded)
 
     @staticmethod
     def plain_x(rows: Sequence[Row]) -> list:
@@ -283,7 +287,7 @@ class Costs:
     def forward_seconds(self, rows: Sequence[Row], draft_len: int) -> float:
         """A round's draft steps and verify pass as the linear models price them (no setup:
         that has its own estimate, ``setup``, and the residual does not see it)."""
-        drafting = [r for r in rows if not r.queued]
+        drafting = [r for r in rows if not r.queued and not r.one_token]
         return draft_len * self.draft.predict(drafting) + self.verify_seconds(rows, draft_len + 1)
 
     def residual_factor(self, rows: Sequence[Row]) -> float:
