@@ -49,6 +49,20 @@ class _Round:
     query_aware: bool  # some request's compressor selects keys per step (Quest)
 
 
+def kernels_on(draft_kernels: Optional[bool], device) -> bool:
+    """Whether draft rounds on ``device`` run on the GPU kernels (each row's own entry read
+    where it lies) rather than the dense path (every row padded to the longest):
+    ``draft_kernels`` as asked, None: where they are available (CUDA). CPU behaviour is
+    unchanged: no import happens there."""
+    if draft_kernels is not None:
+        return draft_kernels
+    if torch.device(device).type != "cuda":
+        return False
+    from sgl_vericache.kernels import draft_attention_available
+
+    return draft_attention_available(device)
+
+
 class CompressedKVStore:
     def __init__(self, compressor: KVCompressor, num_layers: int, draft_kernels: Optional[bool] = None):
         """``draft_kernels``: None runs draft attention on the GPU kernels (sgl_vericache.kernels)
@@ -276,21 +290,16 @@ class CompressedKVStore:
         )  # [1, H_q, S, D]
         return out[0].transpose(0, 1).to(q.dtype)
 
+    def kernels_on(self, device) -> bool:
+        """Whether this store's rounds on ``device`` run on the GPU kernels (``kernels_on``)."""
+        return kernels_on(self.draft_kernels, device)
+
     def _start_kernel_round(self, entries: list[_RequestEntry], steps: int):
         """The round on the GPU kernels, or None for the dense path (CPU; a layout or head
-        dim the kernels do not read). CPU behaviour is unchanged: no import happens there."""
-        if self.draft_kernels is False:
-            return None
+        dim the kernels do not read)."""
         device = next((l.tensors()[0].device for e in entries for l in e.layers if l is not None), None)
-        if device is None:
+        if device is None or not self.kernels_on(device):
             return None
-        if self.draft_kernels is None:
-            if device.type != "cuda":
-                return None
-            from sgl_vericache.kernels import draft_attention_available
-
-            if not draft_attention_available(device):
-                return None
         from sgl_vericache.kernels.draft_round import KernelDraftRound
 
         rows = [(e.compressor, list(e.layers)) for e in entries]  # as they are now, like the dense layout

@@ -167,7 +167,8 @@ class Speculator:
         # attached at the first forward or fetch-draft poll (SGLang's tree exists by then)
         self._tier_pending = self.fetch_drafter is not None
         # and, adaptive, the controller, which prices draft steps as the store's path reads them
-        self.planner = Planner(vc, stats, seam.abort, self.store.compressor, padded_drafts=self._drafts_padded())
+        self.planner = Planner(vc, stats, seam.abort, self.store.compressor,
+                               padded_drafts=not self.store.kernels_on(seam.device))
         # the GPU kernels: the head layout they were warmed for and what the warm-up did (warm_up_kernels)
         self.kernels = {"head_layout": None, "draft": "not warmed yet", "verify": "not warmed yet"}
         self.lens, self.draft_seconds = (), 0.0  # what this round drafted, per row, and how long it took
@@ -329,17 +330,6 @@ class Speculator:
         room = min(self.seam.context_len - 1 - n for n in verified)
         return [0 if one_token_at_a_time(req) else max(0, min(self.planner.draft_len(self.plan(req)), room))
                 for req in reqs]
-
-    def _drafts_padded(self) -> bool:
-        """Whether a draft step reads every row's KV padded to the longest (the dense draft
-        buffers of the CPU path), not each row's own (the GPU kernels)."""
-        if self.store.draft_kernels is not None:
-            return not self.store.draft_kernels
-        if torch.device(self.seam.device).type != "cuda":
-            return True
-        from sgl_vericache.kernels import draft_attention_available
-
-        return not draft_attention_available(self.seam.device)
 
     def begin_iteration(self, reqs, verified: Sequence[int], max_width: int, must_round: bool = False) -> int:
         """Decide a decode iteration: 0 = plain decoding (no drafts, SGLang's one-token step),

@@ -28,7 +28,7 @@ import torch
 
 from sgl_vericache.mem_cache.compress import KVCompressor
 
-from .drafter import CompressedKVStore, selects_per_step
+from .drafter import CompressedKVStore, kernels_on, selects_per_step
 
 # two synthetic requests: long enough that every compressor keeps a compressed main part and
 # (KIVI) a residual window, short enough to cost milliseconds
@@ -69,12 +69,9 @@ def warm_up(compressors: Sequence[KVCompressor], layout: HeadLayout, device: tor
     or None when this device drafts on the dense torch path (``draft_kernels`` as
     CompressedKVStore takes it: None = the kernels on CUDA)."""
     device = torch.device(device)
-    if draft_kernels is None:  # as CompressedKVStore decides: the kernels on CUDA, where available
-        from sgl_vericache.kernels import draft_attention_available
-
-        draft_kernels = draft_attention_available(device)  # False off CUDA
-    if not draft_kernels:
+    if not kernels_on(draft_kernels, device):  # as CompressedKVStore decides
         return None
+    draft_kernels = True
     from sgl_vericache.kernels import ops
 
     t0 = time.perf_counter()
