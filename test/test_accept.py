@@ -540,3 +540,45 @@ def test_penalties_apply_in_one_order_in_every_process():
     logits = torch.tensor([[0.0, 1.0, 2.0, 0.2, 4.0, 5.0, 6.0, 7.0]])
     orchestrator.apply(logits)
     assert float(logits[0, 3]) == pytest.approx((0.2 - 0.5) * 1.5)  # presence subtracted, then the negative scaled
+
+
+@pytest.mark.parametrize("rl_target", [None, "fsdp"])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_engine_draw_equals_sglangs_sampler(monkeypatch, rl_target, filtered):
+    """The verify's draw (sglang/sampling.py: engine_draw) is the token SGLang's own
+    ``Sampler.forward`` picks from the same logits, seeds and positions, under deterministic
+    inference: its softmax path, and under ``--rl-on-policy-target`` its bf16 log-softmax
+    path for batches that filter nothing (filtering batches stay on the softmax path there)."""
+    from types import SimpleNamespace as N
+
+    import sglang.srt.layers.sampler as sampler_mod
+    from sglang.srt.layers.logprob_processor import OutputLogprobProcessor
+
+    from sgl_vericache.sglang.sampling import engine_draw
+
+    monkeypatch.setattr(sampler_mod, "get_exec", lambda: N(kernel=N(sampling_backend="pytorch")))
+    sampler = sampler_mod.Sampler.__new__(sampler_mod.Sampler)
+    torch.nn.Module.__init__(sampler)
+    sampler.__dict__.update(
+        tp_sync_group=None, cp_sync_group=None, rl_on_policy_target=rl_target, enable_deterministic=True,
+        use_log_softmax_logprob=rl_target is not None, use_ascend_backend=False, sampling_mask_max_tokens=0,
+        output_logprob_processor=OutputLogprobProcessor())
+    batch, vocab, repeat = 3, 300, 500  # enough draws that bf16 rounding tips some (the paths share their noise)
+    gen = torch.Generator().manual_seed(11)
+    logits = 3 * torch.randn(batch * repeat, vocab, generator=gen)
+    info = N(
+        temperatures=torch.tensor([[0.7], [1.0], [1.3]]), sampling_seed=torch.tensor([5, 42, 9]),
+        top_ks=torch.tensor([20 if filtered else vocab, vocab, vocab]),
+        top_ps=torch.tensor([1.0, 0.9 if filtered else 1.0, 1.0]), min_ps=torch.zeros(3),
+        need_top_k_sampling=filtered, need_top_p_sampling=filtered, need_min_p_sampling=False, max_top_k=None,
+        is_all_greedy=False, has_custom_logit_processor=False, sampling_mask_batch_indices=None,
+        sampling_support_logprobs_capture_indices=None, grammars=None)
+    repeated = N(**{**info.__dict__, **{k: getattr(info, k).repeat_interleave(repeat, dim=0) for k in (
+        "temperatures", "sampling_seed", "top_ks", "top_ps", "min_ps")}})
+    positions = torch.arange(100, 100 + batch * repeat)
+    theirs = sampler.forward(N(next_token_logits=logits.clone()), repeated, False, [], [], positions)
+    ours = engine_draw(sampler, logits, info, repeat, positions)
+    assert torch.equal(ours, theirs.long())
+    if rl_target and not filtered:  # negative control: the softmax path picks other tokens somewhere
+        sampler.use_log_softmax_logprob = False
+        assert not torch.equal(engine_draw(sampler, logits, info, repeat, positions), ours)

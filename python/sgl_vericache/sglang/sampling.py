@@ -139,12 +139,14 @@ def engine_draw(sampler, logits, params, repeat, positions):
     """The tokens SGLang's own sampler would draw from ``logits`` (one row per position;
     each request's parameters repeated ``repeat`` times), through its own code: temperature,
     softmax, then its pytorch-backend top-k/top-p/min-p sampling with the batch's seeds
-    at ``positions``. Equal logits give equal tokens to a non-speculative decode step."""
+    at ``positions``. Equal logits give equal tokens to a non-speculative decode step.
+
+    Under ``--rl-on-policy-target`` (which turns deterministic inference on) SGLang draws
+    rows that filter nothing from a bf16 log-softmax instead (its trainer-matching path):
+    that path is taken here too, by the same rule."""
     from sglang.srt.layers import sampler as sampler_mod
 
-    x = logits.clone()
-    x.div_(repeat_rows(params.temperatures, repeat))
-    probs = torch.softmax(x, dim=-1) if sampler.enable_deterministic else sampler_mod.sampler_softmax(x)
+    temperatures = repeat_rows(params.temperatures, repeat)
     rows = types.SimpleNamespace(
         sampling_mask_batch_indices=None,
         sampling_seed=repeat_rows(params.sampling_seed, repeat),
@@ -155,6 +157,12 @@ def engine_draw(sampler, logits, params, repeat, positions):
         max_top_k=getattr(params, "max_top_k", None),
     )
     simple = not (params.need_top_p_sampling or params.need_top_k_sampling or params.need_min_p_sampling)
+    if getattr(sampler, "use_log_softmax_logprob", False) and sampler.enable_deterministic and simple:
+        scaled = logits.bfloat16().div(temperatures).bfloat16()  # Sampler.forward's RL on-policy operands
+        return sampler._sample_from_logprobs(torch.log_softmax(scaled, dim=-1), rows, positions).to(torch.int64)
+    x = logits.clone()
+    x.div_(temperatures)
+    probs = torch.softmax(x, dim=-1) if sampler.enable_deterministic else sampler_mod.sampler_softmax(x)
     tokens, _ = sampler._sample_from_probs(probs, rows, positions, simple)
     return tokens.to(torch.int64)
 
