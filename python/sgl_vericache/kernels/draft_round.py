@@ -40,7 +40,7 @@ class KernelDraftRound:
                     break
             else:
                 self._groups.append((comp, [b]))
-        self._packed: list[Optional[list[PackedKV]]] = [None] * num_layers  # built at a layer's first step
+        self._packed: list[Optional[list[PackedKV]]] = [None] * num_layers  # every layer's, packed below
         # per group, its row tables by the packing's starts (read in place: all 0; copied: cumulative)
         self._tables: list[dict] = [{} for _ in self._groups]
         self._lens: Optional[list] = None  # per group (main_len, rec_len, pages_read) of the first packed layer
@@ -53,6 +53,10 @@ class KernelDraftRound:
         self.step = [0] * num_layers
         self._id = next(_ROUND_IDS)
         self._flashinfer = [FlashInferDecode.maybe(self.device, g) for g in range(len(self._groups))]  # None: off
+        # packed here, not at each layer's first draft step: the host work is the round's
+        # setup (timed as layout by the round), so the planner's per-step price stays the kernels'
+        for layer_id in range(num_layers):
+            self._layer(layer_id)
 
     @staticmethod
     def supports(rows: Sequence[tuple[KVCompressor, Sequence[Optional[CompressedLayer]]]]) -> bool:
