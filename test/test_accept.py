@@ -582,3 +582,119 @@ def test_engine_draw_equals_sglangs_sampler(monkeypatch, rl_target, filtered):
     if rl_target and not filtered:  # negative control: the softmax path picks other tokens somewhere
         sampler.use_log_softmax_logprob = False
         assert not torch.equal(engine_draw(sampler, logits, info, repeat, positions), ours)
+
+
+class _Tok:
+    """A five-token tokenizer for SGLang's Req: 2 is EOS, 3 is a newline."""
+    eos_token_id = 2
+    additional_stop_token_ids = None
+    vocab = {0: "a", 1: "b", 2: "</s>", 3: "\n", 4: "c"}
+
+    def decode(self, ids, **kw):
+        return "".join(self.vocab[i] for i in ids)
+
+    def encode(self, s, add_special_tokens=False):
+        return [3] if s == "\n" else [0]
+
+
+def _req(**params):
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=32, temperature=0, **params)
+    sp.normalize(_Tok())
+    req = Req("r", "p", array("q", [0, 1]), sp, eos_token_ids={2}, vocab_size=5)
+    req.tokenizer = _Tok()
+    return req
+
+
+def _verified(runs, width):
+    """eagle_sample's (predict, accept_lens, accept_index) for rows that accepted ``runs``."""
+    predict = torch.zeros(len(runs) * width, dtype=torch.int32)
+    index = torch.full((len(runs), width), -1, dtype=torch.int32)
+    for b, run in enumerate(runs):
+        index[b, : len(run)] = torch.arange(b * width, b * width + len(run), dtype=torch.int32)
+        predict[b * width : b * width + len(run)] = torch.tensor(run, dtype=torch.int32)
+    return predict, torch.tensor([len(r) for r in runs], dtype=torch.int32), index
+
+
+def _finish(req, tokens, at_once):
+    if at_once:
+        req.output_ids.extend(tokens)
+        req.update_finish_state(len(tokens))
+    else:
+        for t in tokens:
+            req.output_ids.append(t)
+            req.update_finish_state(1)
+            if req.finished():
+                break
+    return type(req.finished_reason).__name__, req.finished_len
+
+
+@pytest.mark.parametrize("params", [{"stop": ["\n"]}, {"stop_token_ids": [4]}, {"stop": ["\n"], "ignore_eos": True}])
+def test_a_round_ends_where_decoding_stops(params):
+    """A verify can accept the target's tokens past an EOS, and SGLang's finish check reads
+    stop strings in the whole run before stop tokens: [a, EOS, c, newline, b] with stop
+    "\\n" ended at the newline, where decoding ends at the EOS (negative control below). The
+    cap ends each run at its first stop token, so SGLang's check sees what decoding saw."""
+    from sgl_vericache.sglang.sampling import cap_acceptance
+
+    run, width = [0, 2, 4, 3, 1], 6
+    uncut = _finish(_req(**params), run, at_once=True)
+    decoded = _finish(_req(**params), run, at_once=False)
+    if "stop" in params and not params.get("ignore_eos"):
+        assert uncut != decoded  # the bug, in SGLang's own Req (a stop string after the EOS)
+    verified = _verified([run, [4, 4, 1]], width)
+    cap_acceptance(verified, (), (), [_req(**params), _req(**params)])
+    predict, lens, index = verified
+    kept = [predict[index[b, : lens[b]].long()].tolist() for b in range(2)]
+    assert _finish(_req(**params), kept[0], at_once=True) == decoded
+    if params.get("ignore_eos"):
+        assert kept[0] == run  # EOS is no stop: nothing cut
+    else:
+        assert kept[0] == [0, 2] and index[0, 2:].eq(-1).all()
+    if "stop_token_ids" in params:
+        assert kept[1] == [4]  # a stop token id of the request's own ends its run too
+    else:
+        assert kept[1] == [4, 4, 1]
+
+
+def test_rows_without_drafts_accept_one_token_and_deferred_rows_none():
+    """Rows that drafted nothing are verified over copies of their root; a target that
+    predicts the root again would have them accept several tokens under one penalty state.
+    They accept the first alone; deferred rows accept nothing."""
+    from sgl_vericache.sglang.sampling import cap_acceptance
+
+    verified = _verified([[7, 7, 7, 7], [5, 6, 7], [7, 7, 7]], 4)
+    cap_acceptance(verified, (2,), (0,), [_req(), _req(), _req()])
+    _, lens, index = verified
+    assert lens.tolist() == [1, 3, 0]
+    assert index[0].tolist() == [0, -1, -1, -1] and index[1].tolist() == [4, 5, 6, -1] and index[2].eq(-1).all()
+
+
+def test_a_sessions_next_turn_starts_from_the_finished_output():
+    """A non-streaming session's next prompt is the last turn's prompt and output ids, which
+    SGLang cuts at max_new_tokens only: a round that accepted tokens past a stop string
+    (finished_len) handed them to the next turn. The hook cuts at finished_len; decoding's
+    turns (finished_len is the output's length) are unchanged."""
+    from types import SimpleNamespace as N
+
+    from sglang.srt.session.session_controller import Session
+
+    from sgl_vericache.sglang.runtime import Runtime
+    from sgl_vericache.sglang.scheduler import install_session_turns
+
+    install_session_turns(Runtime())
+    hook = Session.__dict__["_concat_token_arrays"]
+    assert isinstance(hook, staticmethod)  # still called as self._concat_token_arrays(last_req, req, params)
+    last = N(origin_input_ids=[1, 2], origin_input_ids_unpadded=[1, 2], output_ids=[5, 6, 7, 8],
+             sampling_params=N(max_new_tokens=32), finished_len=2)
+    params = N(drop_previous_output=False, offset=None)
+    session = Session.__new__(Session)
+    assert session._concat_token_arrays(last, N(input_ids=[9]), params) == ([1, 2, 5, 6, 9], [1, 2, 5, 6, 9])
+    assert hook.__func__.sglang_original(last, N(input_ids=[9]), params)[0] == [1, 2, 5, 6, 7, 8, 9]  # SGLang's own
+    last.finished_len = 4
+    assert session._concat_token_arrays(last, N(input_ids=[9]), params)[0] == [1, 2, 5, 6, 7, 8, 9]
+    assert last.output_ids == [5, 6, 7, 8]  # the finished request is left as it was

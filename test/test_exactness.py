@@ -95,6 +95,9 @@ def stop_params(tok, greedy):
         {"max_new_tokens": 128, "temperature": 0, "stop": [text.strip() or text]},
         {"max_new_tokens": 7, "temperature": 0},
         {"max_new_tokens": 128, "temperature": 0, "stop": ["\n"], "no_stop_trim": True},
+        # the answer's EOS, which the model follows with a new turn: a verify that accepted
+        # past the EOS ended at this string instead (SGLang checks strings first in a run)
+        {"max_new_tokens": 128, "temperature": 0, "stop": ["<|im_start|>"]},
     ]
 
 
@@ -112,6 +115,19 @@ def penalized_params(greedy):
         {"max_new_tokens": 40, "temperature": 0, "stop_token_ids": [greedy[2][10]], "min_new_tokens": 24},
         {"max_new_tokens": 40, "temperature": 0.8, "sampling_seed": 5, "presence_penalty": 0.5},
     ]
+
+
+# Raw text whose greedy continuation repeats one token: a penalized request's rounds verify
+# copies of its last token, which the target predicts again (before 2026-12-06 such a row
+# accepted several under one penalty state and diverged at tokens 5 and 13).
+REPEATING_TEXTS = ["ha ha ha ha ha ha ha ha ha ha", "0000000000000000000000"]
+REPEATING_PARAMS = {"max_new_tokens": 40, "temperature": 0, "frequency_penalty": 0.1}
+
+
+def penalized_inputs(tok, ids):
+    """(input ids, params) of the penalized requests: the CI prompts' and the repeating texts'."""
+    repeating = [tok(t)["input_ids"] for t in REPEATING_TEXTS]
+    return ids[:4] + repeating, [REPEATING_PARAMS] * len(repeating)
 
 
 CONVERSATION_TURNS = 10
@@ -171,8 +187,9 @@ def _extra_references(model_path, ids):
     def extra(engine, greedy):
         seeded = engine.generate(input_ids=ids[:4], sampling_params=SEEDED)
         stops = stop_params(tok, greedy)
-        stopped = engine.generate(input_ids=ids[:4], sampling_params=stops)
-        penalized = engine.generate(input_ids=ids[:4], sampling_params=penalized_params(greedy))
+        stopped = engine.generate(input_ids=ids[:len(stops)], sampling_params=stops)
+        penalized_ids, repeating = penalized_inputs(tok, ids)
+        penalized = engine.generate(input_ids=penalized_ids, sampling_params=penalized_params(greedy) + repeating)
         return {"seeded": [o["output_ids"] for o in seeded], "stops": stops,
                 "penalized": [o["output_ids"] for o in penalized],
                 "stopped": [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in stopped],
@@ -376,22 +393,26 @@ def test_penalized_sampling_is_token_identical(reference, steady_engine, default
     the batch's other rows keep drafting. On the engine without forced preemption: a
     retracted request's penalties start again from zero when it resumes, in SGLang itself,
     with or without speculation (the reference never preempts)."""
-    ids = _input_ids(default_model_path, CI_PROMPTS[:4])
-    params = [_with_vc(p, "kivi4", 8) for p in penalized_params(reference[:4])]
+    from transformers import AutoTokenizer
+
+    ids, repeating = penalized_inputs(AutoTokenizer.from_pretrained(default_model_path),
+                                      _input_ids(default_model_path, CI_PROMPTS[:4]))
+    params = [_with_vc(p, "kivi4", 8) for p in penalized_params(reference[:4]) + repeating]
     outs = steady_engine.generate(input_ids=ids + ids[:1], sampling_params=params + [
         _with_vc({"max_new_tokens": 40, "temperature": 0}, "kivi4", 8)])
     for i, (out, want) in enumerate(zip(outs, reference.extra["penalized"])):
         assert out["output_ids"] == want, (i, params[i], first_divergence(out["output_ids"], want))
     assert outs[2]["output_ids"][10] != reference[2][10] and len(outs[2]["output_ids"]) >= 24  # min_new_tokens held
-    assert outs[4]["output_ids"] == reference[0][:40]
-    assert outs[4]["meta_info"]["spec_verify_ct"] < 40  # the unpenalized row still drafted
+    assert outs[-1]["output_ids"] == reference[0][:40]
+    assert outs[-1]["meta_info"]["spec_verify_ct"] < 40  # the unpenalized row still drafted
 
 
 def test_stop_conditions_inside_drafts(reference, vc_engine, default_model_path):
     """Stop token id, stop string, max_new_tokens and a kept stop string, each reached in
-    the middle of a draft of 16 or 30 tokens: exactly what speculation off emits."""
-    ids = _input_ids(default_model_path, CI_PROMPTS[:4])
+    the middle of a draft of 16 or 30 tokens, and an EOS followed by a stop string in the
+    same draft: exactly what speculation off emits."""
     stops, expected = reference.extra["stops"], reference.extra["stopped"]
+    ids = _input_ids(default_model_path, CI_PROMPTS[:len(stops)])
     params = [_with_vc(p, "kivi4", 30 if i % 2 else 16) for i, p in enumerate(stops)]
     outs = vc_engine.generate(input_ids=ids, sampling_params=params)
     for i, (out, (ref_ids, ref_text, ref_finish)) in enumerate(zip(outs, expected)):
@@ -400,6 +421,7 @@ def test_stop_conditions_inside_drafts(reference, vc_engine, default_model_path)
         assert out["meta_info"]["finish_reason"] == ref_finish, stops[i]
     assert len(expected[2][0]) == 7
     assert len(expected[0][0]) < 128 and expected[0][2]["type"] == "stop"  # the stop fired mid-way
+    assert expected[4][2] == {"type": "stop", "matched": expected[4][0][-1]}  # decoding ends at the EOS
 
 
 def _vericache_state(engine):

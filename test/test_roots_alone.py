@@ -277,7 +277,15 @@ def test_penalized_requests_draft_nothing_and_emit_one_token_a_round():
     plain, penalized, held = _req("a", 300), _req("b", 200), _req("c", 250)
     penalized.sampling_params.frequency_penalty = 0.5
     held.sampling_params.min_new_tokens = 3  # one output token so far (_req's 7)
-    out = _round(spec, [plain, penalized, held])
+    reqs = [plain, penalized, held]
+    width = spec.begin_iteration(reqs, [300, 200, 250], max_width=5)
+    out = spec.draft_round(_batch(reqs), width)
+    # verified over copies of their roots, they accept one token (sglang/sampling.py: cap_acceptance)
+    assert spec.undrafted == (1, 2) and spec.deferred == ()
+    assert "b" not in spec.store and "c" in spec.store  # never drafts: no entry; c will once its minimum is out
+    spec.close_round()
+    assert spec.undrafted == ()
+    assert spec.stats.totals.get("context_limited_rounds", 0) == 0  # far from the context's end
     assert out.width == 5 and spec.lens == [4, 0, 0] and drafted_rows == [[0]]
     tokens = out.tokens.reshape(3, 5)
     assert list(tokens[0]) == [7, 5, 5, 5, 5] and (tokens[1:] == 7).all()  # roots alone for b and c

@@ -58,6 +58,7 @@ def register_all() -> Runtime:
         scheduler.install_draft_memory_reserve,  # the KV pool leaves room for compressed entries
         scheduler.install_deferred_rows,  # staggered verifies: rows without a token
         scheduler.install_fetch_drafting,  # drafting while a prefix streams in
+        scheduler.install_session_turns,  # a session's next turn starts from the finished output
         validation.install_tokenizer_checks,  # a bad request field is a 400 before the scheduler (any API)
         validation.install_http_checks,  # the same on native /generate bodies, before a stream starts
         validation.install_openai_checks,  # the same on OpenAI completions / chat, in OpenAI's field names

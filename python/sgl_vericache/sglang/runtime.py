@@ -34,13 +34,13 @@ class Runtime:
 
 
 def patch(owner, name: str, runtime: Runtime, make: Callable) -> Callable:
-    """Install the hook ``make(original)`` as ``owner.name`` (a class's function or
-    classmethod, or a module's function), once per process: ``make`` names the hook, and
+    """Install the hook ``make(original)`` as ``owner.name`` (a class's function, classmethod
+    or staticmethod, or a module's function), once per process: ``make`` names the hook, and
     hooks of different names stack. The hook reads its state from its own ``runtime``
     attribute; installing it again only rebinds that to ``runtime``. Returns the hook."""
     raw = inspect.getattr_static(owner, name)
-    is_classmethod = isinstance(raw, classmethod)
-    current = raw.__func__ if is_classmethod else raw
+    wrapper = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+    current = raw.__func__ if wrapper else raw
     key = make.__qualname__
     installed = current
     while getattr(installed, "_vericache", False):
@@ -53,5 +53,5 @@ def patch(owner, name: str, runtime: Runtime, make: Callable) -> Callable:
     hook._vericache_hook = key
     hook.runtime = runtime
     hook.sglang_original = current
-    setattr(owner, name, classmethod(hook) if is_classmethod else hook)
+    setattr(owner, name, wrapper(hook) if wrapper else hook)
     return hook

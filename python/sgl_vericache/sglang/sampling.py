@@ -111,7 +111,8 @@ def install_verify_sampler(runtime: Runtime) -> None:
     """NGRAM's verify calls ``eagle_sample``, which on CPU always commits argmax. For a
     VERICACHE batch that samples, acceptance goes to the worker's ``SampledRound`` instead;
     everything else (greedy batches, other algorithms) keeps SGLang's function. Rows
-    deferred this round (staggered verifies) accept nothing."""
+    deferred this round (staggered verifies) accept nothing; rows that drafted nothing
+    (``Speculator.undrafted``) accept their root's token alone, exactly a decode step."""
     from sglang.srt.speculative import ngram_worker
 
     def make(original):
@@ -123,16 +124,70 @@ def install_verify_sampler(runtime: Runtime) -> None:
             else:
                 out = sampled_verify(sampled, worker.speculator.deferred, verify_input, batch, logits_output,
                                      grammar_mask)
-            if worker is not None and worker.speculator.deferred:
-                _, accept_lens, accept_index = out
-                rows = torch.tensor(worker.speculator.deferred, dtype=torch.int64, device=accept_lens.device)
-                accept_lens[rows] = 0
-                accept_index[rows] = -1
+            if worker is not None:
+                cap_acceptance(out, worker.speculator.deferred, worker.speculator.undrafted, batch.reqs)
             return out
 
         return eagle_sample
 
     patch(ngram_worker, "eagle_sample", runtime, make)
+
+
+def cap_acceptance(verified, deferred, undrafted, reqs) -> None:
+    """In place on ``eagle_sample``'s (predict, accept_lens, accept_index): ``deferred`` rows
+    accept nothing, ``undrafted`` rows (verified over copies of their root) the first token
+    alone, and every row's run ends at its first stop token (``stop_tokens``).
+
+    Decoding stops at an EOS; a verify can accept the target's tokens past it, and SGLang's
+    finish check then looks for stop strings in the whole run before it looks for stop
+    tokens, so a stop string after the EOS would end the request there, with the tokens
+    between (the output, its finish reason and a session's next prompt would differ)."""
+    _, accept_lens, accept_index = verified
+    if deferred:
+        rows = torch.tensor(deferred, dtype=torch.int64, device=accept_lens.device)
+        accept_lens[rows] = 0
+        accept_index[rows] = -1
+    if undrafted:
+        rows = torch.tensor(undrafted, dtype=torch.int64, device=accept_lens.device)
+        accept_lens[rows] = accept_lens[rows].clamp(max=1)
+        accept_index[rows, 1:] = -1
+    end_runs_at_stop_tokens(verified, reqs)
+
+
+def stop_tokens(req) -> frozenset:
+    """The token ids that end ``req`` as SGLang's ``Req._check_token_based_finish`` reads them
+    (none under ``ignore_eos``)."""
+    params = req.sampling_params
+    if params.ignore_eos:
+        return frozenset()
+    ids = set(params.stop_token_ids or ()) | set(req.eos_token_ids or ())
+    tokenizer = getattr(req, "tokenizer", None)
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        ids |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+    return frozenset(ids)
+
+
+def end_runs_at_stop_tokens(verified, reqs) -> None:
+    """Cut each row's accepted run after its first stop token (one host copy of the round's
+    accepted tokens, and only when some row accepted more than one)."""
+    predict, accept_lens, accept_index = verified
+    lens = accept_lens.tolist()
+    if max(lens, default=0) < 2:
+        return
+    runs = predict[accept_index.clamp(min=0).long()].tolist()  # [bs, width]: row b's run, then filler
+    for b, (req, n) in enumerate(zip(reqs, lens)):
+        if n < 2:
+            continue
+        stops = stop_tokens(req)
+        if not stops:
+            continue
+        for j in range(n - 1):
+            if runs[b][j] in stops:
+                accept_lens[b] = j + 1
+                accept_index[b, j + 1:] = -1
+                break
 
 
 def engine_draw(sampler, logits, params, repeat, positions):

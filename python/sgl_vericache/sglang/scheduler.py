@@ -10,7 +10,8 @@ get_num_generated_tokens`` (a deferred row: no token, no verify), ``schedule_bat
 (preemption), ``Scheduler._prefetch_kvcache`` and ``UnifiedRadixCache.check_prefetch_progress``
 (the poll of a request waiting for its storage prefetch), ``SchedulerInternalStateController.
 _add_speculative`` (``/server_info``), ``kv_cache_configurator.get_req_to_token_extra_context_len``
-(the rows' headroom), ``KVCacheConfigurator._profile_available_bytes`` (the pool's budget).
+(the rows' headroom), ``KVCacheConfigurator._profile_available_bytes`` (the pool's budget),
+``Session._concat_token_arrays`` (a session's next prompt).
 """
 
 from __future__ import annotations
@@ -21,6 +22,32 @@ import time
 from sgl_vericache.sglang.runtime import Runtime, patch
 
 logger = logging.getLogger(__name__)
+
+
+def install_session_turns(runtime: Runtime) -> None:
+    """A session's next turn (non-streaming ``session_params``) starts from the last turn's
+    prompt and ``output_ids``, cut at its ``max_new_tokens`` only. A speculative round can
+    accept tokens past the point where the turn finished (a stop string inside the run:
+    ``finished_len``), which the response leaves out and decoding never made; the next turn
+    carried them in its prompt, so its ids differed from speculation off. It starts from the
+    finished output. (Streaming sessions trim the output themselves.)"""
+    import types
+
+    from sglang.srt.session.session_controller import Session
+
+    def make(original):
+        def _concat_token_arrays(last_req, req, session_params):
+            cut = getattr(last_req, "finished_len", None)
+            if cut is not None and cut < len(last_req.output_ids):
+                last_req = types.SimpleNamespace(  # read only: the turn as the response gave it
+                    output_ids=last_req.output_ids[:cut], sampling_params=last_req.sampling_params,
+                    origin_input_ids=last_req.origin_input_ids,
+                    origin_input_ids_unpadded=last_req.origin_input_ids_unpadded)
+            return original(last_req, req, session_params)
+
+        return _concat_token_arrays
+
+    patch(Session, "_concat_token_arrays", runtime, make)
 
 
 def install_context_end_headroom(runtime: Runtime) -> None:

@@ -64,10 +64,16 @@ def one_token_at_a_time(req) -> bool:
     only until it is reached (the count, one an iteration, equals the output's length then,
     and both stay past it)."""
     params = req.sampling_params
+    return penalized(req) or len(req.output_ids) < (getattr(params, "min_new_tokens", 0) or 0)
+
+
+def penalized(req) -> bool:
+    """Whether ``req`` has frequency, presence or repetition penalties: it never drafts, so
+    it needs no compressed entry."""
+    params = req.sampling_params
     return (getattr(params, "frequency_penalty", 0.0) not in (0, None)
             or getattr(params, "presence_penalty", 0.0) not in (0, None)
-            or getattr(params, "repetition_penalty", 1.0) not in (1, None)
-            or len(req.output_ids) < (getattr(params, "min_new_tokens", 0) or 0))
+            or getattr(params, "repetition_penalty", 1.0) not in (1, None))
 
 
 def _remaining(req) -> Optional[int]:

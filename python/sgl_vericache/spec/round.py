@@ -43,7 +43,7 @@ from sgl_vericache.cpu.linear import weights_generation
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
 from sgl_vericache.spec.drafter import CompressedKVStore
 from sgl_vericache.spec.fetch_drafting import FetchDrafter
-from sgl_vericache.spec.plan import Plan, Planner, one_token_at_a_time
+from sgl_vericache.spec.plan import Plan, Planner, one_token_at_a_time, penalized
 from sgl_vericache.spec.stats import Stats
 from sgl_vericache.spec.window_draft import WindowedDraft
 
@@ -157,6 +157,7 @@ class Speculator:
         self.queries = {}  # rid -> per-layer last prompt queries, until compressed
         self.waited = {}  # rid -> rounds in a row it drafted without verifying (staggered verifies)
         self.deferred = ()  # batch rows that draft but do not verify this round
+        self.undrafted = ()  # rows that verify this round with no drafts: they accept one token
         self.queued_rows = ()  # batch rows whose drafts this round were made while they waited
         self.sampled = None  # this round's SampledRound, when its batch samples
         self.parking = None  # FullKVParking, built at the first round when a budget is set
@@ -372,7 +373,8 @@ class Speculator:
         bs = len(batch.reqs)
         plans = [self.plan(req) for req in batch.reqs]
         lens = self.draft_lens(batch.reqs, batch.verified)
-        if any(n < self.planner.draft_len(plan) for n, plan in zip(lens, plans)):
+        if any(n < self.planner.draft_len(plan) and not one_token_at_a_time(req)
+               for n, plan, req in zip(lens, plans, batch.reqs)):
             self.stats.add("context_limited_rounds", 1)  # cut short so no position passes the context
         t_sync = time.perf_counter()
         failed = self.roots_alone  # paused after running out of memory: no entries, no drafts
@@ -406,6 +408,10 @@ class Speculator:
         self.forward_seconds = self.draft_seconds - self.layout_seconds
         self.setup_seconds += self.layout_seconds
         self.lens = [n if v else 0 for n, v in zip(lens, verifying)]
+        # padded with their roots, rows without drafts would accept any repeat of their last token
+        # the target predicts: several tokens an iteration under one penalty state (penalized
+        # rows), or past the context's last position. They accept their root's token alone.
+        self.undrafted = tuple(i for i, (n, v) in enumerate(zip(self.lens, verifying)) if v and not n)
         self.stats.drafted(self.draft_seconds, sum(self.lens), steps)
         drafts = pad_drafts(drafts, lens, width - 1)
         tokens = np.concatenate([np.asarray(roots, dtype=np.int64)[:, None], drafts], axis=1)
@@ -448,7 +454,7 @@ class Speculator:
     def close_round(self) -> set:
         """After the iteration's forward, whatever happened: the round's transient state
         goes. Returns the rows that were deferred."""
-        deferred, self.deferred = set(self.deferred), ()
+        deferred, self.deferred, self.undrafted = set(self.deferred), (), ()
         self.sampled, self.roots_alone = None, False
         if self.parking is not None:
             self.parking.finish()
@@ -474,7 +480,12 @@ class Speculator:
             self.stats.tier(self.tier)
 
     def _sync_store(self, batch: RoundBatch, plans: list[Plan]) -> None:
+        """Bring each drafting request's compressed entry up to its verified tokens (a new
+        one's from the prefix cache where it can). Penalized requests never draft: no entry
+        (a request held by min_new_tokens keeps its own, for when it drafts)."""
         for i, req in enumerate(batch.reqs):
+            if penalized(req):
+                continue
             read_kv = self.seam.read_kv(batch.pool_rows[i])
             queries = None
             if req.rid not in self.store:
