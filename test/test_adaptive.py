@@ -736,6 +736,23 @@ def test_rows_that_draft_nothing_are_priced_at_one_token_and_no_draft_steps():
     assert ctl.costs.forward_seconds(rows, 8) > ctl.costs.forward_seconds(penalized, 8)
 
 
+def test_a_penalized_row_with_its_own_draft_length_neither_forces_nor_lengthens_rounds():
+    """A request that names its draft length (custom_params) but drafts nothing (penalized)
+    used to force a round every iteration and have every round priced at its length, so the
+    longest draft won for its batch-mates too."""
+    decide = lambda rows: Controller(max_draft_len=16).decide(rows)  # noqa: E731  (fresh: no probing state)
+    normal = _rows(1, 4000)[0]
+    quiet = Row("b", 4000, 1000, "streamingllm", one_token=True)
+    named = Row("b", 4000, 1000, "streamingllm", draft_len=16, one_token=True)
+    queued = Row("b", 4000, 1000, "streamingllm", queued=True, one_token=True)
+    want = decide([normal, quiet])
+    for other in (named, queued):
+        got = decide([normal, other])
+        assert (got.draft_len, got.predicted_seconds) == (want.draft_len, pytest.approx(want.predicted_seconds))
+    assert decide([named]).draft_len == decide([quiet]).draft_len == 0  # alone: plain decoding
+    assert decide([Row("c", 4000, 1000, "streamingllm", draft_len=16)]).draft_len > 0  # drafting rows still force a round
+
+
 def test_draft_steps_are_priced_padded_on_the_dense_path_only():
     """The CPU path's dense draft buffers pad every row to the longest; the GPU kernels read
     each row's own entry. A kivi4 row beside seven droppers' rows at 8k: padded, every row

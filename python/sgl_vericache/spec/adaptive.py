@@ -235,7 +235,7 @@ class Controller:
         a tie with 8, and emitted 16 tokens per second where 8 drafts made 23."""
         best, best_rate = None, 0.0
         for d in self.candidate_lens():
-            steps = max([d] + [r.draft_len for r in rows if r.draft_len])
+            steps = max([d] + [r.draft_len for r in rows if r.draft_len and not r.one_token])
             seconds, tokens = self.costs.round_seconds(rows, steps), self.tokens(rows, d)
             rate = tokens / max(seconds, 1e-9)
             if best is None or rate > best_rate * (1 + self.LONGER_BY):
@@ -244,10 +244,11 @@ class Controller:
 
     def decide(self, rows: Sequence[Row], force: bool = False) -> Decision:
         """Plain decoding (``draft_len`` 0) or a round of the returned draft length. Rows with
-        their own draft length or drafts made ahead, and ``force``, always make it a round."""
+        their own draft length or drafts made ahead (unless they draft nothing: penalized), and
+        ``force``, always make it a round."""
         spec = self.best_round(rows)
         plain = Decision(0, self.costs.plain.predict(self.costs.plain_x(rows)), float(len(rows)))
-        forced = force or any(r.draft_len or r.queued for r in rows) or not self.allow_plain
+        forced = force or any((r.draft_len or r.queued) and not r.one_token for r in rows) or not self.allow_plain
         if self.schedule:
             d = min(self.schedule[self.scheduled % len(self.schedule)], self.max_draft_len)
             self.scheduled += 1

@@ -34,6 +34,7 @@ from sgl_vericache.mem_cache.compressed_tier import (INDEX_ANCHOR, SpilledEntry,
                                                      move_entry, worth_reading)
 from sgl_vericache.spec.draft_queue import DraftQueue
 from sgl_vericache.spec.drafter import CompressedKVStore, selects_per_step
+from sgl_vericache.spec.plan import one_token_at_a_time
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,8 @@ class FetchDrafter:
 
     def _start(self, req, hit_tokens: int):
         w = self.owner
-        if req.finished() or req.grammar is not None or req.sampling_params.top_k != 1:
+        if (req.finished() or req.grammar is not None or req.sampling_params.top_k != 1
+                or one_token_at_a_time(req)):  # penalized: its rounds would not take them
             return None
         plan = w.plan(req)
         if plan.error or req.to_finish is not None:
