@@ -77,6 +77,20 @@ def test_the_launcher_samples_with_the_pytorch_sampler_and_no_logit_processors()
         check_sampling("pytorch", True)
 
 
+def test_the_launcher_refuses_routed_experts_recording():
+    """SGLang's routed-experts recorder reads each forward's KV slots, which draft passes do
+    not have: the first round would stop the scheduler. Refused at launch and by the worker."""
+    from sgl_vericache.sglang.server import check_routed_experts
+
+    with _raises(ValueError, "--enable-return-routed-experts: VERICACHE's draft passes"):
+        apply_vericache_flags(VeriCacheConfig(), ["--enable-return-routed-experts"])
+    assert "--enable-return-routed-experts" in apply_vericache_flags(VeriCacheConfig(enable=False),
+                                                                   ["--enable-return-routed-experts"])
+    check_routed_experts(False)
+    with _raises(ValueError, "--enable-return-routed-experts"):
+        check_routed_experts(True)
+
+
 def test_the_launcher_keeps_window_layers_kv_in_the_full_pool():
     """gpt-oss, Granite-SWA, MiMo-V2, Llama 4, Gemma 4 get SGLang's hybrid sliding-window pool
     by default, which verify cannot read (check_kv_pool refuses it once the model is loaded):

@@ -149,6 +149,18 @@ def test_sampling_fields_stop_regex_and_sessions():
                                 "session_params": {"id": "s", "rid": None, "offset": -1}}, limits)
 
 
+def test_the_field_sglangs_openai_layer_adds_is_accepted_and_checked():
+    """SGLang's chat route sets ``ebnf_full_assistant`` for GLM-4.7's tool-call grammar; the
+    request then reached these checks and was refused as an unknown field (a 400 on a valid
+    tool call). It is accepted, as a boolean."""
+    from sgl_vericache.sglang.validation import sampling_fields
+
+    limits = checks.Limits(VOCAB, sampling_fields=sampling_fields())
+    checks.check_generate_body({"text": "hi", "sampling_params": {"ebnf_full_assistant": True}}, limits)
+    message = refused({"text": "hi", "sampling_params": {"ebnf_full_assistant": "yes"}}, limits)
+    assert message.startswith("sampling_params.ebnf_full_assistant 'yes' is not a boolean"), message
+
+
 def test_session_fields_are_sglangs():
     from sglang.srt.managers.io_struct import SessionParams
 

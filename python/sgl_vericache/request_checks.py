@@ -147,6 +147,10 @@ def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Opt
     if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
         raise RequestError(f"{names.sampling('n')} {show(n)} is out of range; accepted: an integer from 1 to {MAX_N}")
     check_logit_bias(params.get("logit_bias"), names.sampling("logit_bias"))
+    full_turn = params.get("ebnf_full_assistant")
+    if full_turn is not None and not isinstance(full_turn, bool):
+        raise RequestError(f"{names.sampling('ebnf_full_assistant')} {show(full_turn)} is not a boolean; "
+                           "accepted: true or false")
     penalty = params.get("repetition_penalty")
     if isinstance(penalty, (int, float)) and not isinstance(penalty, bool) and 0 < penalty < MIN_REPETITION_PENALTY:
         raise RequestError(f"{names.sampling('repetition_penalty')} {show(penalty)} is too small to compute with; "

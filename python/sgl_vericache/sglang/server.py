@@ -33,6 +33,7 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
                          f"cannot read (they compress and draft from float KV); use one of {', '.join(KV_CACHE_DTYPES)}, or "
                          "pass --no-vericache-enable")
     check_parallelism(False, flag_value(argv, "--pp-size") or flag_value(argv, "--pipeline-parallel-size") or 1)
+    check_routed_experts("--enable-return-routed-experts" in argv)
     extra = []
     if vc.full_device_budget >= 0:
         extra = _parking_flags(argv)
@@ -110,6 +111,17 @@ def check_sampling(backend, custom_logit_processors: bool) -> None:
         raise ValueError("--enable-custom-logit-processor: VERICACHE's verify pass does not run custom logit "
                          "processors (no speculative verify in SGLang does), so outputs would differ from "
                          "speculation off; leave the flag out, or pass --no-vericache-enable")
+
+
+def check_routed_experts(enabled: bool) -> None:
+    """``--enable-return-routed-experts`` records each forward's MoE routing at the KV slots
+    the forward writes; VERICACHE's draft passes write none (they read the compressed KV),
+    and SGLang's recorder fails on them, which would stop the scheduler at the first round.
+    Refused at start."""
+    if enabled:
+        raise ValueError("--enable-return-routed-experts: VERICACHE's draft passes run the model without KV slots, "
+                         "which SGLang's routed-experts recorder needs; leave the flag out, or pass "
+                         "--no-vericache-enable")
 
 
 def check_parallelism(dp_attention: bool, pp_size) -> None:

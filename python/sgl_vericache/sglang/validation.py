@@ -57,8 +57,10 @@ def limits_of(tokenizer_manager) -> checks.Limits:
 
 # SamplingParams' internal fields (set by its normalize(); "not API-facing"): a client that
 # sets is_normalized skips every default and check __post_init__ applies
+# (``ebnf_full_assistant`` is not among them: SGLang's OpenAI layer sets it for tool-call
+# grammars that cover the whole assistant turn, GLM-4.7's, and the request then reaches these checks)
 INTERNAL_SAMPLING_FIELDS = frozenset({"stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len",
-                                      "is_normalized", "ebnf_full_assistant"})
+                                      "is_normalized"})
 
 
 @functools.lru_cache(maxsize=1)

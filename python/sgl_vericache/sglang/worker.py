@@ -30,7 +30,7 @@ from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
 from sgl_vericache.sglang.server import (check_cuda_graphs, check_kv_cache_dtype, check_kv_pool, check_parallelism,
-                                         check_parking_args, check_sampling)
+                                         check_parking_args, check_routed_experts, check_sampling)
 from sgl_vericache.spec.ranks import first_rank_values
 from sgl_vericache.spec.round import RoundBatch, Speculator, device_clock, last_token
 from sgl_vericache.spec.stats import Stats
@@ -201,6 +201,7 @@ class VeriCacheWorker(NGRAMWorker):
         attention.check_attention(self.model_runner.model, self.model_runner.model_config, self.device)
         check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1))
         check_sampling(get_exec().kernel.sampling_backend, bool(get_exec().features.enable_custom_logit_processor))
+        check_routed_experts(bool(getattr(get_exec().features, "enable_return_routed_experts", False)))
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
         runtime = self.runtime
         draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
@@ -254,8 +255,11 @@ class VeriCacheWorker(NGRAMWorker):
         width = self.max_width
         if batch.forward_mode.is_decode():
             self._release_departed(batch)
+            # a plain iteration lays out one token a row: its logprobs, grammar and hidden states
+            # would be read at a round's row stride (a round of width 1 is a decode step)
+            must_round = bool(batch.return_logprob or batch.has_grammar or getattr(batch, "return_hidden_states", False))
             width = self.speculator.begin_iteration(batch.reqs, batch.seq_lens_cpu.tolist(), self.max_width,
-                                                    must_round=bool(batch.return_logprob or batch.has_grammar))
+                                                    must_round=must_round)
             self.plain, width = width == 0, width or self.max_width
         self._set_width(width)
         try:
