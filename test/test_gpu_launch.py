@@ -91,6 +91,19 @@ def test_the_launcher_refuses_routed_experts_recording():
         check_routed_experts(True)
 
 
+def test_the_launcher_refuses_disaggregation():
+    """Prefill/decode disaggregation has never run with VERICACHE (a decode server runs no
+    prefill, where SnapKV / H2O capture their queries): refused, not served untested."""
+    from sgl_vericache.sglang.server import check_disaggregation
+
+    for mode in ("decode", "prefill"):
+        with _raises(ValueError, f"--disaggregation-mode {mode}: VERICACHE has not run"):
+            apply_vericache_flags(VeriCacheConfig(), ["--disaggregation-mode", mode])
+    apply_vericache_flags(VeriCacheConfig(), ["--disaggregation-mode", "null"])
+    check_disaggregation("null")
+    check_disaggregation(None)
+
+
 def test_the_launcher_keeps_window_layers_kv_in_the_full_pool():
     """gpt-oss, Granite-SWA, MiMo-V2, Llama 4, Gemma 4 get SGLang's hybrid sliding-window pool
     by default, which verify cannot read (check_kv_pool refuses it once the model is loaded):

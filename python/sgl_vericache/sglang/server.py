@@ -34,6 +34,7 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
                          "pass --no-vericache-enable")
     check_parallelism(False, flag_value(argv, "--pp-size") or flag_value(argv, "--pipeline-parallel-size") or 1)
     check_routed_experts("--enable-return-routed-experts" in argv)
+    check_disaggregation(flag_value(argv, "--disaggregation-mode"))
     extra = []
     if vc.full_device_budget >= 0:
         extra = _parking_flags(argv)
@@ -122,6 +123,16 @@ def check_routed_experts(enabled: bool) -> None:
         raise ValueError("--enable-return-routed-experts: VERICACHE's draft passes run the model without KV slots, "
                          "which SGLang's routed-experts recorder needs; leave the flag out, or pass "
                          "--no-vericache-enable")
+
+
+def check_disaggregation(mode) -> None:
+    """Prefill/decode disaggregation: a decode server receives each prompt's KV from another
+    server and never runs its prefill, where SnapKV and H2O capture the prompt queries they
+    compress with, and SGLang's decode side hands speculative workers state VERICACHE does
+    not use. Never run with VERICACHE: refused at start rather than served untested."""
+    if mode not in (None, "null"):
+        raise ValueError(f"--disaggregation-mode {mode}: VERICACHE has not run with prefill/decode disaggregation; "
+                         "serve without it, or pass --no-vericache-enable")
 
 
 def check_parallelism(dp_attention: bool, pp_size) -> None:

@@ -20,8 +20,8 @@ from contextlib import nullcontext
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-from sglang.srt.runtime_context import (get_device, get_exec, get_memory, get_observability, get_schedule,
-                                        get_spec)
+from sglang.srt.runtime_context import (get_device, get_disagg, get_exec, get_memory, get_observability,
+                                        get_schedule, get_spec)
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
@@ -30,7 +30,8 @@ from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
 from sgl_vericache.sglang.server import (check_cuda_graphs, check_kv_cache_dtype, check_kv_pool, check_parallelism,
-                                         check_parking_args, check_routed_experts, check_sampling)
+                                         check_disaggregation, check_parking_args, check_routed_experts,
+                                         check_sampling)
 from sgl_vericache.spec.ranks import first_rank_values
 from sgl_vericache.spec.round import RoundBatch, Speculator, device_clock, last_token
 from sgl_vericache.spec.stats import Stats
@@ -202,6 +203,7 @@ class VeriCacheWorker(NGRAMWorker):
         check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1))
         check_sampling(get_exec().kernel.sampling_backend, bool(get_exec().features.enable_custom_logit_processor))
         check_routed_experts(bool(getattr(get_exec().features, "enable_return_routed_experts", False)))
+        check_disaggregation(getattr(get_disagg(), "disaggregation_mode", None))
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
         runtime = self.runtime
         draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
