@@ -114,6 +114,14 @@ def check_mixed_packing(method: str, device) -> float:
     packed = stores[1]._kernel_round._packed
     assert packed[0][0].addresses is not None and packed[1][0].addresses is None, "the layers packed alike"
     err = _close(outs[1], outs[0], torch.float32, f"mixed packing {method}")
+    # every layer is packed when the round begins, but a layer drafted elsewhere (a window
+    # layer, over the pool) only if it is read after all
+    stores[1].begin_round([0, 1], 2, unread={1})
+    lazy = stores[1]._kernel_round._packed
+    assert lazy[0] is not None and lazy[1] is None, "an unread layer was packed ahead"
+    again = torch.stack([stores[1].attend(layer_id, q[s], kn[s], vn[s], 0.125) for s in range(2)
+                         for layer_id in (0, 1)])
+    err = max(err, _close(again, outs[1], torch.float32, f"mixed packing {method}, layer 1 packed when read"))
     for rid in (0, 1):
         for st in stores:
             st.release(rid)

@@ -11,7 +11,7 @@ K/V there and runs one kernel launch per compressor group. Entries are never mod
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -26,8 +26,9 @@ _ROUND_IDS = itertools.count()  # names a round's FlashInfer plan
 
 class KernelDraftRound:
     def __init__(self, rows: Sequence[tuple[KVCompressor, Sequence[Optional[CompressedLayer]]]], steps: int,
-                 num_layers: int):
-        """rows[b] = (compressor, per-layer entries) of request b; ``steps`` draft steps."""
+                 num_layers: int, unread: Collection[int] = ()):
+        """rows[b] = (compressor, per-layer entries) of request b; ``steps`` draft steps;
+        ``unread``: layers the round drafts from elsewhere (packed only if read after all)."""
         ref = _reference(rows)
         self.num_layers, self.steps, self.batch = num_layers, steps, len(rows)
         self.num_kv_heads, self.head_dim, self.dtype, self.device = ref
@@ -56,7 +57,8 @@ class KernelDraftRound:
         # packed here, not at each layer's first draft step: the host work is the round's
         # setup (timed as layout by the round), so the planner's per-step price stays the kernels'
         for layer_id in range(num_layers):
-            self._layer(layer_id)
+            if layer_id not in unread:
+                self._layer(layer_id)
 
     @staticmethod
     def supports(rows: Sequence[tuple[KVCompressor, Sequence[Optional[CompressedLayer]]]]) -> bool:

@@ -17,7 +17,7 @@ kept key once; nothing is concatenated or copied per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Callable, Collection, Hashable, Optional, Sequence
 
 import torch
 
@@ -149,15 +149,17 @@ class CompressedKVStore:
 
     # ------------------------------------------------------------------ the draft round
 
-    def begin_round(self, rids: Sequence[Hashable], steps: int) -> None:
+    def begin_round(self, rids: Sequence[Hashable], steps: int, unread: Collection[int] = ()) -> None:
         """Lay out the draft buffers for ``steps`` draft steps of these (synced) requests,
         row b = rids[b]. Any earlier round's provisional KV is gone after this. A request
         that keeps its row from the last round rewrites only the rows its compressor says
-        changed (``stable_rows``): steady decoding re-materializes just the new tail."""
+        changed (``stable_rows``): steady decoding re-materializes just the new tail.
+        ``unread``: layers this round drafts from elsewhere (sliding-window layers over the
+        pool), which the GPU kernels' round does not pack ahead."""
         if steps < 1:
             raise ValueError(f"a draft round needs at least one step, got {steps}")
         entries = [self._entries[rid] for rid in rids]
-        self._kernel_round = self._start_kernel_round(entries, steps)
+        self._kernel_round = self._start_kernel_round(entries, steps, unread)
         if self._kernel_round is not None:
             self._round, self._laid_out = None, []  # the dense buffers sit this round out
             return
@@ -294,7 +296,7 @@ class CompressedKVStore:
         """Whether this store's rounds on ``device`` run on the GPU kernels (``kernels_on``)."""
         return kernels_on(self.draft_kernels, device)
 
-    def _start_kernel_round(self, entries: list[_RequestEntry], steps: int):
+    def _start_kernel_round(self, entries: list[_RequestEntry], steps: int, unread: Collection[int] = ()):
         """The round on the GPU kernels, or None for the dense path (CPU; a layout or head
         dim the kernels do not read)."""
         device = next((l.tensors()[0].device for e in entries for l in e.layers if l is not None), None)
@@ -303,7 +305,7 @@ class CompressedKVStore:
         from sgl_vericache.kernels.draft_round import KernelDraftRound
 
         rows = [(e.compressor, list(e.layers)) for e in entries]  # as they are now, like the dense layout
-        return KernelDraftRound(rows, steps, self.num_layers) if KernelDraftRound.supports(rows) else None
+        return KernelDraftRound(rows, steps, self.num_layers, unread) if KernelDraftRound.supports(rows) else None
 
     def _selection_mask(self, layer_id, q, end, mask):
         """Padding mask AND each query-aware request's per-step key selection."""

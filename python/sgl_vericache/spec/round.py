@@ -484,7 +484,8 @@ class Speculator:
         one's from the prefix cache where it can). Penalized requests never draft: no entry
         (a request held by min_new_tokens keeps its own, for when it drafts)."""
         for i, req in enumerate(batch.reqs):
-            if penalized(req):
+            if penalized(req):  # its prompt queries, captured for a batch-mate's SnapKV / H2O, go unused
+                self.queries.pop(req.rid, None)
                 continue
             read_kv = self.seam.read_kv(batch.pool_rows[i])
             queries = None
@@ -571,7 +572,8 @@ class Speculator:
         if not keep or not steps:
             return drafts
         t0 = time.perf_counter()
-        self.store.begin_round([batch.reqs[i].rid for i in keep], steps)
+        self.store.begin_round([batch.reqs[i].rid for i in keep], steps,
+                               unread=self.windowed.windows if self.windowed is not None else ())
         self.layout_seconds = device_clock(self.seam.device) - t0  # a new or rebuilt entry lays out whole
         passes = self.seam.passes
         draft_batch = passes.for_rows(batch.source, keep)
