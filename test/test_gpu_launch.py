@@ -91,6 +91,18 @@ def test_the_launcher_refuses_routed_experts_recording():
         check_routed_experts(True)
 
 
+def test_the_launcher_refuses_the_outlines_grammar_backend():
+    """SGLang's speculative grammar checks read xgrammar's packed mask; outlines' bool mask
+    and missing rollback would accept forbidden tokens or raise in the scheduler."""
+    from sgl_vericache.sglang.server import check_grammar_backend
+
+    with _raises(ValueError, "--grammar-backend outlines: SGLang's speculative grammar checks"):
+        apply_vericache_flags(VeriCacheConfig(), ["--grammar-backend", "outlines"])
+    apply_vericache_flags(VeriCacheConfig(), ["--grammar-backend", "xgrammar"])
+    for backend in (None, "xgrammar", "llguidance", "none"):
+        check_grammar_backend(backend)
+
+
 def test_the_launcher_refuses_disaggregation():
     """Prefill/decode disaggregation has never run with VERICACHE (a decode server runs no
     prefill, where SnapKV / H2O capture their queries): refused, not served untested."""

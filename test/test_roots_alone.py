@@ -325,3 +325,37 @@ def test_penalized_requests_verify_in_every_round_under_a_full_kv_budget():
         spec.count_round(reqs, [1, 1, 1], deferred[-1], 0.01, 0.0)
     assert all(1 not in d and len(d) == 1 for d in deferred), deferred  # a and c take turns
     assert {0, 2} == set().union(*deferred)
+
+
+def test_a_finished_requests_rid_sent_again_is_a_new_request():
+    """SGLang accepts a finished request's rid again (an agent reusing one for every turn).
+    When the new request arrived before any decode iteration saw the old one leave, its
+    round extended the old request's entry, and at its departure the old request's tokens
+    were filed with the new entry: a ValueError in the scheduler. The worker tells requests
+    apart by their Req, and the planner re-plans a rid whose request changed."""
+    from sgl_vericache.sglang.worker import VeriCacheWorker
+
+    seam = _Seam()
+    vc = VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=4, compressed_cache_mb=64, adaptive=False)
+    spec = Speculator(vc, seam, Stats(False), torch.Generator().manual_seed(0))
+    worker = SimpleNamespace(speculator=spec, _last_decode_reqs={}, _last_decode_rids=set())
+
+    def iteration(reqs):
+        VeriCacheWorker._release_departed(worker, SimpleNamespace(reqs=reqs))
+        _round(spec, reqs)
+
+    first = _req("agent", 100)
+    first.sampling_params.custom_params = {"vericache_draft_len": 2}
+    iteration([first])
+    assert spec.plan(first).draft_len == 2
+    second = _req("agent", 400)  # the same rid, before any iteration without it
+    iteration([second])
+    assert spec.reqs["agent"] is second and spec.store.entry("agent")[2] == 400
+    plan = spec.plan(second)
+    assert plan.draft_len == 4  # its own plan, not the first request's override
+    iteration([_req("other", 50)])  # it leaves: its entry is filed under its own tokens
+    from sgl_vericache.spec.round import kv_tokens
+
+    assert "agent" not in spec.store
+    assert spec.prefix_cache.match(kv_tokens(second, 400), plan.compressor)[0] == 400
+    assert spec.prefix_cache.match(kv_tokens(first, 100), plan.compressor)[0] == 100  # and the first's under its own

@@ -35,6 +35,7 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
     check_parallelism(False, flag_value(argv, "--pp-size") or flag_value(argv, "--pipeline-parallel-size") or 1)
     check_routed_experts("--enable-return-routed-experts" in argv)
     check_disaggregation(flag_value(argv, "--disaggregation-mode"))
+    check_grammar_backend(flag_value(argv, "--grammar-backend"))
     extra = []
     if vc.full_device_budget >= 0:
         extra = _parking_flags(argv)
@@ -123,6 +124,18 @@ def check_routed_experts(enabled: bool) -> None:
         raise ValueError("--enable-return-routed-experts: VERICACHE's draft passes run the model without KV slots, "
                          "which SGLang's routed-experts recorder needs; leave the flag out, or pass "
                          "--no-vericache-enable")
+
+
+def check_grammar_backend(backend) -> None:
+    """SGLang's speculative grammar path (``spec_utils.traverse_tree``) reads every backend's
+    vocabulary mask as xgrammar's packed bitmask; outlines' is one bool a token and its
+    grammars cannot roll back, so a round would accept tokens the grammar forbids or raise
+    ``NotImplementedError`` in the scheduler. Refused at start (xgrammar, the default, and
+    llguidance pack their masks alike)."""
+    if backend == "outlines":
+        raise ValueError("--grammar-backend outlines: SGLang's speculative grammar checks read xgrammar's mask "
+                         "layout, which outlines does not use; accepted: xgrammar (the default) or llguidance, or "
+                         "pass --no-vericache-enable")
 
 
 def check_disaggregation(mode) -> None:

@@ -30,8 +30,8 @@ from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
 from sgl_vericache.sglang.server import (check_cuda_graphs, check_kv_cache_dtype, check_kv_pool, check_parallelism,
-                                         check_disaggregation, check_parking_args, check_routed_experts,
-                                         check_sampling)
+                                         check_disaggregation, check_grammar_backend, check_parking_args,
+                                         check_routed_experts, check_sampling)
 from sgl_vericache.spec.ranks import first_rank_values
 from sgl_vericache.spec.round import RoundBatch, Speculator, device_clock, last_token
 from sgl_vericache.spec.stats import Stats
@@ -193,6 +193,7 @@ class VeriCacheWorker(NGRAMWorker):
         self.adaptive_controller = None
         self._prev_decode_rids = set()
         self._last_decode_rids = set()  # rids of the last decode iteration (rounds and plain steps)
+        self._last_decode_reqs = {}  # and their requests
         self._capturing = {}  # rid -> Req whose prompt queries were captured and not yet used
         self.plain = False  # this iteration decodes plainly (--vericache-adaptive chose no drafts)
         self.grammar_tree_host = None
@@ -204,6 +205,7 @@ class VeriCacheWorker(NGRAMWorker):
         check_sampling(get_exec().kernel.sampling_backend, bool(get_exec().features.enable_custom_logit_processor))
         check_routed_experts(bool(getattr(get_exec().features, "enable_return_routed_experts", False)))
         check_disaggregation(getattr(get_disagg(), "disaggregation_mode", None))
+        check_grammar_backend(getattr(get_exec().kernel, "grammar_backend", None))
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
         runtime = self.runtime
         draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
@@ -335,13 +337,17 @@ class VeriCacheWorker(NGRAMWorker):
 
     def _release_departed(self, batch):
         """Requests that left the decode batch since the last decode iteration file their
-        compressed entry (NGRAM reports departures only after verify rounds)."""
-        current = {req.rid for req in batch.reqs}
-        departed = self._last_decode_rids - current
-        self._last_decode_rids = current
-        if departed:  # in rid order, not a set's (per-process string hashing): the prefix cache's
+        compressed entry (NGRAM reports departures only after verify rounds). A request is
+        its ``Req``, not its rid: SGLang accepts a finished request's rid again (an agent
+        reusing one for every turn), and a new request under it may arrive before any decode
+        iteration saw the old one leave."""
+        current = {req.rid: req for req in batch.reqs}
+        gone = [rid for rid, req in self._last_decode_reqs.items() if current.get(rid) is not req]
+        self._last_decode_rids, self._last_decode_reqs = set(current), current
+        if gone:  # in rid order, not a set's (per-process string hashing): the prefix cache's
             # LRU order follows it, alike on every tensor-parallel rank
-            self.speculator.release_departed(sorted(departed, key=str))
+            self.speculator.release_departed(sorted(gone, key=str), reused={rid: current[rid] for rid in gone
+                                                                           if rid in current})
 
     def _forget_finished_queries(self):
         """A request finished at its prefill (SGLang marks it after that forward) never
@@ -358,6 +364,8 @@ class VeriCacheWorker(NGRAMWorker):
         self._capturing.clear()
         self._prev_decode_rids = set()
         self._last_decode_rids = set()
+        self._last_decode_reqs = {}
+        self._last_decode_reqs = {}
 
     def _update_ngram_corpus(self, batch):
         pass

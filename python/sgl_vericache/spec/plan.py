@@ -90,6 +90,7 @@ class Planner:
         self.vc, self.stats, self.abort = vc, stats, abort
         self.default_compressor = default_compressor
         self.plans = {}  # rid -> Plan
+        self.owners = {}  # rid -> the Req planned (SGLang accepts a finished request's rid again)
         self.compressors = {}  # (method, ratio, options) -> compressor (shared, stateless)
         self.controller = None
         if vc.adaptive:
@@ -112,6 +113,9 @@ class Planner:
         ``rows``: the batch it is expected to draft in (for ``auto``; default: the last decode
         iteration's, itself included)."""
         plan = self.plans.get(req.rid)
+        if plan is not None and self.owners.get(req.rid) is not req:
+            self.forget(req.rid)  # a finished request's rid, sent again: its plan is not this one's
+            plan = None
         if plan is None:
             try:
                 plan = self._new_plan(req, rows or len(self._running()) + 1)
@@ -124,7 +128,7 @@ class Planner:
                 message = f"VeriCache could not plan this request: {type(exc).__name__}: {exc}"
                 self.abort(req, message, status=500)
                 plan = Plan(self.default_compressor, 1, message)
-            self.plans[req.rid] = plan
+            self.plans[req.rid], self.owners[req.rid] = plan, req
             if all(r is not req for r in self.batch_reqs):
                 # planned before any decode batch had it (at its prefill, or while its prefix
                 # was still fetched, for drafting meanwhile): an abort then reports no departure
@@ -182,8 +186,13 @@ class Planner:
         return self.controller.choose_compressor(candidates, context, rid, current, margin=0.15, rows=rows,
                                                  others=self._running(), remaining=remaining)
 
-    def forget(self, rid) -> None:
+    def forget(self, rid, unless=None) -> None:
+        """Drop what is known of ``rid``'s request, unless ``unless`` is the request planned
+        under it (then it is another request, already planned afresh)."""
+        if unless is not None and self.owners.get(rid) is unless:
+            return
         self.plans.pop(rid, None)
+        self.owners.pop(rid, None)
         self.unseen.pop(rid, None)
         if self.controller is not None:
             self.controller.forget(rid)

@@ -275,12 +275,19 @@ class Speculator:
         """Whether a prefill of ``reqs`` should keep its last prompt queries (SnapKV, H2O)."""
         return any(plan.compressor.needs_queries for plan in self.planner.plan_arriving(reqs))
 
-    def release_departed(self, rids) -> None:
+    def release_departed(self, rids, reused: Optional[dict] = None) -> None:
+        """Requests that left: their entries are filed and released. ``reused``: rid -> the
+        new request that now has it (a finished request's rid sent again), whose own plan
+        and captured prompt queries stay."""
+        reused = reused or {}
         for rid in rids:
             self._file_prefix(rid)
             self.store.release(rid)
-            self.planner.forget(rid)
-            self.queries.pop(rid, None)
+            if rid in reused:
+                self.planner.forget(rid, unless=reused[rid])
+            else:
+                self.planner.forget(rid)
+                self.queries.pop(rid, None)
             self.waited.pop(rid, None)
             if self.fetch_drafter is not None:
                 self.fetch_drafter.queue.drop(rid)
