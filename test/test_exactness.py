@@ -124,10 +124,16 @@ REPEATING_TEXTS = ["ha ha ha ha ha ha ha ha ha ha", "0000000000000000000000"]
 REPEATING_PARAMS = {"max_new_tokens": 40, "temperature": 0, "frequency_penalty": 0.1}
 
 
+# A grammar-constrained request beside them: its verify masks every position by the grammar,
+# and its rows share rounds with rows that draft nothing
+GRAMMAR_PARAMS = {"max_new_tokens": 48, "temperature": 0, "regex": r"Answer: (yes|no)\. [A-Za-z ,]{20,80}\."}
+
+
 def penalized_inputs(tok, ids):
-    """(input ids, params) of the penalized requests: the CI prompts' and the repeating texts'."""
+    """(input ids, params) of the requests beside the penalized CI prompts: the repeating
+    texts' and a grammar-constrained one."""
     repeating = [tok(t)["input_ids"] for t in REPEATING_TEXTS]
-    return ids[:4] + repeating, [REPEATING_PARAMS] * len(repeating)
+    return ids[:4] + repeating + [ids[5]], [REPEATING_PARAMS] * len(repeating) + [GRAMMAR_PARAMS]
 
 
 CONVERSATION_TURNS = 10
@@ -390,19 +396,20 @@ def test_seeded_sampling_is_token_identical(reference, vc_engine, default_model_
 def test_penalized_sampling_is_token_identical(reference, steady_engine, default_model_path):
     """Penalties and min_new_tokens, which SGLang accumulates once an iteration: their
     requests draft nothing (one token a round), so their ids equal speculation off's, while
-    the batch's other rows keep drafting. On the engine without forced preemption: a
+    the batch's other rows keep drafting (a regex-constrained one among them). On the engine without forced preemption: a
     retracted request's penalties start again from zero when it resumes, in SGLang itself,
     with or without speculation (the reference never preempts)."""
     from transformers import AutoTokenizer
 
     ids, repeating = penalized_inputs(AutoTokenizer.from_pretrained(default_model_path),
-                                      _input_ids(default_model_path, CI_PROMPTS[:4]))
+                                      _input_ids(default_model_path, CI_PROMPTS[:6]))
     params = [_with_vc(p, "kivi4", 8) for p in penalized_params(reference[:4]) + repeating]
     outs = steady_engine.generate(input_ids=ids + ids[:1], sampling_params=params + [
         _with_vc({"max_new_tokens": 40, "temperature": 0}, "kivi4", 8)])
     for i, (out, want) in enumerate(zip(outs, reference.extra["penalized"])):
         assert out["output_ids"] == want, (i, params[i], first_divergence(out["output_ids"], want))
     assert outs[2]["output_ids"][10] != reference[2][10] and len(outs[2]["output_ids"]) >= 24  # min_new_tokens held
+    assert outs[-2]["text"].startswith("Answer: ")  # the grammar held
     assert outs[-1]["output_ids"] == reference[0][:40]
     assert outs[-1]["meta_info"]["spec_verify_ct"] < 40  # the unpenalized row still drafted
 
