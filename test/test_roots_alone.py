@@ -338,7 +338,7 @@ def test_a_finished_requests_rid_sent_again_is_a_new_request():
     seam = _Seam()
     vc = VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=4, compressed_cache_mb=64, adaptive=False)
     spec = Speculator(vc, seam, Stats(False), torch.Generator().manual_seed(0))
-    worker = SimpleNamespace(speculator=spec, _last_decode_reqs={}, _last_decode_rids=set())
+    worker = SimpleNamespace(speculator=spec, _last_decode_reqs={})
 
     def iteration(reqs):
         VeriCacheWorker._release_departed(worker, SimpleNamespace(reqs=reqs))

@@ -192,8 +192,7 @@ class VeriCacheWorker(NGRAMWorker):
         self.device = get_device().device
         self.adaptive_controller = None
         self._prev_decode_rids = set()
-        self._last_decode_rids = set()  # rids of the last decode iteration (rounds and plain steps)
-        self._last_decode_reqs = {}  # and their requests
+        self._last_decode_reqs = {}  # rid -> Req of the last decode iteration (rounds and plain steps)
         self._capturing = {}  # rid -> Req whose prompt queries were captured and not yet used
         self.plain = False  # this iteration decodes plainly (--vericache-adaptive chose no drafts)
         self.grammar_tree_host = None
@@ -343,7 +342,7 @@ class VeriCacheWorker(NGRAMWorker):
         iteration saw the old one leave."""
         current = {req.rid: req for req in batch.reqs}
         gone = [rid for rid, req in self._last_decode_reqs.items() if current.get(rid) is not req]
-        self._last_decode_rids, self._last_decode_reqs = set(current), current
+        self._last_decode_reqs = current
         if gone:  # in rid order, not a set's (per-process string hashing): the prefix cache's
             # LRU order follows it, alike on every tensor-parallel rank
             self.speculator.release_departed(sorted(gone, key=str), reused={rid: current[rid] for rid in gone
@@ -363,8 +362,6 @@ class VeriCacheWorker(NGRAMWorker):
         self.speculator.clear()
         self._capturing.clear()
         self._prev_decode_rids = set()
-        self._last_decode_rids = set()
-        self._last_decode_reqs = {}
         self._last_decode_reqs = {}
 
     def _update_ngram_corpus(self, batch):
