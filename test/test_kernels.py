@@ -98,10 +98,13 @@ class _FakeFlashInfer:
     log-sum-exp, and merge_state joining two (output, lse) pairs."""
 
     class BatchDecodeWithPagedKVCacheWrapper:
-        def __init__(self, workspace, layout):
-            assert layout == "NHD"
+        def __init__(self, workspace, layout, use_tensor_cores=False):
+            assert layout == "NHD" and not workspace.any()  # zeroed, as FlashInfer asks
+            self.use_tensor_cores = use_tensor_cores
 
         def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):
+            # FlashInfer's CUDA-core decode is built for these group sizes only
+            assert self.use_tensor_cores or num_qo_heads // num_kv_heads in (1, 2, 3, 4, 6, 8, 16)
             assert page_size == 1 and bool((last_page_len == 1).all()) and indices.dtype == torch.int32
             self.rows = [indices[a:b].long() for a, b in zip(indptr[:-1].tolist(), indptr[1:].tolist())]
             self.group, self.scale = num_qo_heads // num_kv_heads, kw["sm_scale"]
@@ -161,16 +164,16 @@ def test_flashinfer_backends_are_made_once_a_group_slot(monkeypatch):
 
     class Counting(_FakeFlashInfer):
         class BatchDecodeWithPagedKVCacheWrapper(_FakeFlashInfer.BatchDecodeWithPagedKVCacheWrapper):
-            def __init__(self, workspace, layout):
-                super().__init__(workspace, layout)
-                made.append(workspace.numel())
+            def __init__(self, workspace, layout, use_tensor_cores=False):
+                super().__init__(workspace, layout, use_tensor_cores)
+                made.append((workspace.numel(), use_tensor_cores))
 
     monkeypatch.setattr(fb, "_SHARED", {})
     cpu = torch.device("cpu")
     first = fb.FlashInferDecode.shared(cpu, 0, Counting)
     assert fb.FlashInferDecode.shared(cpu, 0, Counting) is first
     assert fb.FlashInferDecode.shared(cpu, 1, Counting) is not first
-    assert made == [fb.WORKSPACE_BYTES] * 4  # two wrappers a slot, once
+    assert len(first._workspaces) == 2 and not made  # two workspaces a slot; wrappers at the first decode
     g = torch.Generator().manual_seed(1)
     comp = get_compressor("streamingllm", 4.0, min_budget=8)
     q = torch.randn(1, 4, 64, generator=g)
@@ -180,6 +183,15 @@ def test_flashinfer_backends_are_made_once_a_group_slot(monkeypatch):
         out = first.decode((round_id, 0), pack(comp, [layer]), [0], q, 0.125, k_extra, v_extra, [0], [2])
         torch.testing.assert_close(out, comp.attend(layer, q, 0.125, k_extra[0, :2], v_extra[0, :2]),
                                    atol=1e-5, rtol=1e-5)
+    assert made == [(fb.WORKSPACE_BYTES, False)] * 2  # group 2: FlashInfer's CUDA-core decode, made once
+    # a group FlashInfer's CUDA-core decode is not built for (7: Qwen2.5-7B's 28 / 4) plans on
+    # its tensor cores; before, plan() raised "Unsupported group_size" inside the round
+    assert [fb.use_tensor_cores(g) for g in (1, 2, 3, 4, 5, 7, 8)] == [False] * 3 + [True] * 4
+    q7 = torch.randn(1, 14, 64, generator=g)
+    out = fb.FlashInferDecode.shared(cpu, 1, Counting).decode((2, 0), pack(comp, [layer]), [0], q7, 0.125,
+                                                              k_extra, v_extra, [0], [2])
+    torch.testing.assert_close(out, comp.attend(layer, q7, 0.125, k_extra[0, :2], v_extra[0, :2]), atol=1e-5, rtol=1e-5)
+    assert made[2:] == [(fb.WORKSPACE_BYTES, True)] * 2
 
 
 def test_entries_are_packed_in_place_through_their_addresses_unless_unreadable():

@@ -25,6 +25,16 @@ WORKSPACE_BYTES = 128 << 20
 # (device, group slot) -> its FlashInferDecode: two 128 MiB workspaces a slot, made once, not
 # every round (a round's plans are keyed by its id, so a later round replans on its own)
 _SHARED: dict = {}
+# query heads per KV head that FlashInfer's CUDA-core decode kernels are built for; others
+# (7 for Qwen2.5-7B, 5) raise "Unsupported group_size" at plan()
+CUDA_CORE_GROUPS = frozenset({1, 2, 3, 4, 6, 8, 16})
+
+
+def use_tensor_cores(group: int) -> bool:
+    """Whether the decode runs on FlashInfer's tensor-core kernels (its prefill kernels, which
+    take any group size): SGLang's rule for 16-bit KV (a group of 4 or more), and always
+    where no CUDA-core kernel exists."""
+    return group >= 4 or group not in CUDA_CORE_GROUPS
 
 
 def page_tables(starts: Sequence[int], lens: Sequence[int], device) -> tuple[torch.Tensor, ...]:
@@ -43,13 +53,22 @@ class FlashInferDecode:
     one for the provisional KV (planned once a draft step, shared by every layer)."""
 
     def __init__(self, device: torch.device, flashinfer_module=None):
-        fi = flashinfer_module or importlib.import_module("flashinfer")
-        self._fi = fi
-        workspace = lambda: torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # noqa: E731
-        self._main = fi.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD")
-        self._extra = fi.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD")
+        self._fi = flashinfer_module or importlib.import_module("flashinfer")
+        # zeroed: FlashInfer wants its float workspace zeroed before its first use
+        self._workspaces = [torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._group = None  # query heads per KV head the wrappers were made for (one model a worker)
+        self._main = self._extra = None
         self._main_plan = None
         self._extra_plan = None
+
+    def _wrappers_for(self, group: int) -> None:
+        """Make the two wrappers at the first decode, when the group size is known."""
+        if self._group == group:
+            return
+        tensor_cores = use_tensor_cores(group)
+        self._main, self._extra = (self._fi.BatchDecodeWithPagedKVCacheWrapper(w, "NHD", use_tensor_cores=tensor_cores)
+                                   for w in self._workspaces)
+        self._group, self._main_plan, self._extra_plan = group, None, None
 
     @staticmethod
     def maybe(device: torch.device, slot: int = 0) -> Optional["FlashInferDecode"]:
@@ -80,6 +99,7 @@ class FlashInferDecode:
         assert packed.addresses is None, "FlashInfer's page tables index entries laid end to end (pack's default)"
         heads, dim = packed.num_kv_heads, packed.head_dim
         num_q_heads = q.shape[1]
+        self._wrappers_for(num_q_heads // heads)
         if self._main_plan != plan_key:
             tables = page_tables([packed.main_start[e] for e in entries], [packed.main_len[e] for e in entries],
                                  q.device)
