@@ -348,6 +348,51 @@ def test_gpu_host_pool_slots_are_freed_only_after_their_copies_ran():
     assert 0 < parking.stats.load_seconds < 1.0, parking.stats  # the copies' GPU time, from their events
 
 
+class _StagedHostPool(_HostPool):
+    """A host pool whose backups go through one pair of device staging buffers, as SGLang's
+    page_first pool's staged write-back kernel does: the buffers are the pool's, shared by
+    every caller, and the kernel's copy to the host reads them on the caller's stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.staging = torch.zeros(SLOTS, HEADS, DIM, device="cuda")
+
+    def backup_from_device_all_layer(self, device_pool, host, device, io_backend):
+        lo, hi, n = int(host[0]), int(host[-1]) + 1, len(device)
+        for l in range(LAYERS):
+            for src, dst in ((device_pool.k[l], self.k[l]), (device_pool.v[l], self.v[l])):
+                self.staging[:n] = src[device]
+                dst[lo:hi].copy_(self.staging[:n], non_blocking=True)
+
+
+@_gpu
+def test_gpu_host_pool_backups_queue_behind_hicaches_own_write_backs():
+    """A park into HiCache's host pool runs its backup on HiCache's device-to-host stream:
+    on the current stream it overwrote the pool's staging buffers while a HiCache write-back
+    that had filled them was still copying them out (the cached prefix got the parked KV)."""
+    from sgl_vericache.mem_cache.full_kv_parking import HostPoolStore
+
+    pool = Pool("cuda")
+    pool.fill_row(0, 24)
+    before = pool.row_kv(0, 0, 24)
+    host, d2h = _StagedHostPool(), torch.cuda.Stream()
+    parking = pool.parking(host_pool=HostPoolStore(host, pool, "kernel", backup_stream=d2h))
+    cached = torch.zeros(24, HEADS, DIM).pin_memory()  # HiCache's own write-back of some prefix
+    with torch.cuda.stream(d2h):
+        host.staging[:24] = 7.0
+        torch.cuda._sleep(50_000_000)  # ~25-50 ms of GPU clock: the park is issued meanwhile
+        cached.copy_(host.staging[:24], non_blocking=True)
+    parking.park("a", 0, 0, 24)
+    torch.cuda.synchronize()
+    assert bool((cached == 7.0).all()), "the park overwrote the staging buffers under HiCache's write-back"
+    parking.start_loads({"a": 0})
+    for layer in range(LAYERS):
+        parking.wait_layer(layer)
+    parking.finish()
+    torch.cuda.synchronize()
+    assert _same(before, pool.row_kv(0, 0, 24))
+
+
 if __name__ == "__main__":  # without pytest (a bare GPU machine): the GPU tests, and two CPU ones that need no pytest
     cpu = (test_park_then_load_is_bit_identical_and_frees_then_retakes_slots,
            test_a_load_holds_the_slots_its_copies_write_until_finish)

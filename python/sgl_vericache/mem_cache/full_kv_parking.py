@@ -86,16 +86,30 @@ class HostPoolStore:
     name = "host_pool"
 
     def __init__(self, host_pool, device_pool, io_backend: str, place_backup: Placement = _as_given,
-                 place_load: Placement = _as_given):
+                 place_load: Placement = _as_given, backup_stream=None):
         self.host_pool, self.device_pool, self.io_backend = host_pool, device_pool, io_backend
         self.place_backup, self.place_load = place_backup, place_load
+        # CUDA: the stream HiCache's own write-backs run on. A page_first pool's staged
+        # write-back kernel goes through staging buffers the pool keeps, one pair for every
+        # caller: a backup on another stream could overwrite them while HiCache's is in flight
+        # (a cached prefix, or the parked KV, would be copied wrong). Ours queue behind its.
+        self.backup_stream = backup_stream
 
     def put(self, slots: torch.Tensor):
+        """Copy the KV at device ``slots`` into new host-pool slots; returns them (None: the
+        host pool is full). The copy has finished when this returns."""
         host_slots = self.host_pool.alloc(len(slots))
         if host_slots is None:
             return None
         host, device = self.place_backup(host_slots, slots)
-        self.host_pool.backup_from_device_all_layer(self.device_pool, host, device, self.io_backend)
+        stream = self.backup_stream
+        if stream is None:
+            self.host_pool.backup_from_device_all_layer(self.device_pool, host, device, self.io_backend)
+            return host_slots
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # after what the forwards wrote
+        with torch.cuda.stream(stream):
+            self.host_pool.backup_from_device_all_layer(self.device_pool, host, device, self.io_backend)
+        stream.synchronize()
         return host_slots
 
     def prepare_load(self, handle, slots: torch.Tensor):

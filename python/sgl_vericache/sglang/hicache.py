@@ -116,7 +116,10 @@ def parking_host_pool(tree, device_pool):
     if kv is None:
         return None
     place_backup, place_load = index_placement(controller, kv)
-    return HostPoolStore(kv, device_pool, controller.io_backend, place_backup, place_load)
+    engine = getattr(controller, "l2_transfer_engine", None)
+    on_cuda = torch.device(getattr(device_pool, "device", "cpu")).type == "cuda"
+    stream = getattr(engine, "device_to_host_stream", None) if on_cuda else None
+    return HostPoolStore(kv, device_pool, controller.io_backend, place_backup, place_load, backup_stream=stream)
 
 
 def index_placement(controller, kv_pool):
