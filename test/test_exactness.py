@@ -516,36 +516,50 @@ def test_prompt_queries_of_requests_finished_at_prefill_are_let_go(vc_engine, de
 
 
 def test_streaming_while_verifies_are_staggered(reference, vc_engine, default_model_path):
-    """Three requests stream at once past the 64-token budget, so they take turns verifying:
-    every chunk brings new tokens (an iteration a request only drafted in sends nothing) and
-    the streamed tokens are speculation off's."""
+    """Three requests stream at once past the 64-token budget: every chunk brings new tokens
+    (an iteration a request only drafted in sends nothing) and the streamed tokens are
+    speculation off's. The longest returns logprobs (top 2 too) and outlives the others:
+    it verifies in every round while the other two take turns (a batch with a logprob row
+    used to verify every row, loading all parked KV at once), and its logprobs are
+    speculation off's, laid out by row among rows that emitted nothing."""
     import asyncio
 
     longest = sorted(range(len(reference)), key=lambda i: -len(reference[i]))[:3]
     assert min(len(reference[i]) for i in longest) > 96, [len(r) for r in reference]
     ids = [_input_ids(default_model_path, CI_PROMPTS)[i] for i in longest]
-    params = {"max_new_tokens": 128, "temperature": 0}
+    lengths = [128, 64, 64]  # the logprob stream is alone for its last rounds
     deferred = lambda: vc_engine.get_server_info()["internal_states"][0]["vericache"]["deferred_rows"]  # noqa: E731
     before = deferred()
 
-    async def stream(prompt):
-        counts, last = [], None
-        async for chunk in await vc_engine.async_generate(input_ids=prompt, sampling_params=params, stream=True):
+    async def stream(prompt, n, logprobs):
+        counts, last, top = [], None, []
+        extra = dict(return_logprob=True, top_logprobs_num=2) if logprobs else {}
+        async for chunk in await vc_engine.async_generate(input_ids=prompt, stream=True, **extra,
+                                                          sampling_params={"max_new_tokens": n, "temperature": 0}):
             counts.append(chunk["meta_info"]["completion_tokens"])
+            if logprobs:
+                steps = chunk["meta_info"]["output_top_logprobs"]
+                top = top + steps if vc_engine.server_args.incremental_streaming_output else steps
             last = chunk
-        return counts, last
+        return counts, last, top
 
-    async def both():
-        return await asyncio.gather(*(stream(p) for p in ids))
+    async def all_streams():
+        return await asyncio.gather(*(stream(p, n, k == 0) for k, (p, n) in enumerate(zip(ids, lengths))))
 
-    results = vc_engine.loop.run_until_complete(both())
-    assert deferred() > before, "the streams should have taken turns verifying"
-    for i, (counts, last) in zip(longest, results):
+    results = vc_engine.loop.run_until_complete(all_streams())
+    assert deferred() > before, "the streams without logprobs should have taken turns verifying"
+    for i, n, (counts, last, _) in zip(longest, lengths, results):
+        want = reference[i][:n]
         assert all(b > a for a, b in zip(counts, counts[1:])), f"a chunk without new tokens: {counts}"
-        assert counts[-1] == len(reference[i]), (counts[-1], len(reference[i]))
+        assert counts[-1] == len(want), (counts[-1], len(want))
         if vc_engine.server_args.incremental_streaming_output:
             continue  # chunks carry only their own tokens; the count check above covers them
-        assert list(last["output_ids"]) == reference[i], f"prompt {i}: streamed tokens differ from speculation off"
+        assert list(last["output_ids"]) == want, f"prompt {i}: streamed tokens differ from speculation off"
+    top = [[lp for lp, *_ in step] for step in results[0][2]]
+    ref = reference.top2[longest[0]][:lengths[0]]
+    assert len(top) == len(ref) and all(len(step) == 2 for step in top), (len(top), len(ref))
+    worst = max(abs(a - b) for ours, theirs in zip(top, ref) for a, b in zip(ours, theirs))
+    assert worst < 1e-3, f"top-2 logprobs differ from speculation off's by up to {worst:.3g}"
 
 
 def test_full_kv_beyond_the_budget_was_parked_and_loaded_back(vc_engine):

@@ -107,10 +107,10 @@ def _speculator(seam, full_device_budget=-1, adaptive=False):
     return Speculator(vc, seam, Stats(False), torch.Generator().manual_seed(0))
 
 
-def _batch(reqs, greedy=True):
+def _batch(reqs, greedy=True, verify_always=None):
     verified = [len(r.origin_input_ids) for r in reqs]
     return RoundBatch(reqs=reqs, verified=verified, pool_rows=list(range(len(reqs))), own_kv_start=[0] * len(reqs),
-                      greedy=greedy, verify_all=False, source=None)
+                      greedy=greedy, verify_always=verify_always or [False] * len(reqs), source=None)
 
 
 def _round(spec, reqs, greedy=True):
@@ -325,6 +325,136 @@ def test_penalized_requests_verify_in_every_round_under_a_full_kv_budget():
         spec.count_round(reqs, [1, 1, 1], deferred[-1], 0.01, 0.0)
     assert all(1 not in d and len(d) == 1 for d in deferred), deferred  # a and c take turns
     assert {0, 2} == set().union(*deferred)
+
+
+def test_rows_with_logprobs_or_a_grammar_verify_every_round_while_the_rest_take_turns():
+    """A batch with a logprob or grammar request used to verify every row, loading every
+    parked request's KV at once while parked requests hold back only one round's loads:
+    under memory pressure that load failed (ParkingError, the scheduler stopped). Now only
+    those rows verify in every round (never parked); the others still take turns, and no
+    round loads more than the parked requests held reserved before it."""
+    seam = _Seam()
+    spec = _speculator(seam, full_device_budget=0)
+    reqs = [_req("a", 300), _req("b", 200), _req("c", 250), _req("d", 220)]
+    always = [False, True, False, False]  # "b" returns logprobs
+    deferred = []
+    for _ in range(6):
+        reserved = spec.parking.reserved_tokens if spec.parking is not None else 0
+        loaded = spec.parking.stats.loaded_tokens if spec.parking is not None else 0
+        width = spec.begin_iteration(reqs, [300, 200, 250, 220], max_width=5)
+        spec.draft_round(_batch(reqs, verify_always=always), width)
+        assert spec.lens[1] > 0 and not spec.parking.is_parked("b")  # it drafts, and verifies
+        assert spec.parking.stats.loaded_tokens - loaded <= reserved
+        deferred.append(spec.close_round())
+        spec.count_round(reqs, [1, 1, 1, 1], deferred[-1], 0.01, 0.0)
+    assert all(1 not in d and len(d) == 2 for d in deferred), deferred  # one of a, c, d verifies a round
+    assert {0, 2, 3} == set().union(*deferred) and spec.parking.stats.loads > 0
+
+
+def test_a_parked_requests_entry_is_rebuilt_from_its_loaded_kv():
+    """A parked request's slots were freed: when its compressed entry must be built again
+    (let go after running out of memory, or a new compressor under ``auto``), the sync
+    read them anyway, compressing (and filing in the prefix cache) whatever lay there. Its
+    KV is loaded back first now; an entry that is current reads nothing."""
+    seam = _Seam()
+    spec = _speculator(seam, full_device_budget=0)
+    reqs = [_req("a", 300), _req("b", 200)]
+    _round(spec, reqs)
+    spec.close_round()
+    assert spec.parking.is_parked("b")
+    reads = []
+    read_kv = seam.read_kv
+    seam.read_kv = lambda row: (lambda layer, start, end: (reads.append((row, spec.parking.is_parked("b"))),
+                                                            read_kv(row)(layer, start, end))[1])
+    spec.waited["b"] = 0  # "a" verifies again: "b" stays parked
+    spec.waited["a"] = 1
+    _round(spec, reqs)
+    spec.close_round()
+    assert spec.parking.is_parked("b") and not [r for r in reads if r[0] == 1]  # its entry was current
+    spec.store.release("b")  # as after running out of memory
+    _round(spec, reqs)
+    assert reads and all(not parked for row, parked in reads if row == 1), reads
+    assert spec.stats.totals["full_kv_loads_for_rebuild"] == 1
+    spec.close_round()
+
+
+def test_a_sampled_round_tells_its_acceptance_each_rows_own_draft_length():
+    """Rows past their own draft length are verified over padding: the round hands the
+    SampledRound each row's length, so rejection rows accept the padding as a fixed
+    proposal (test_sampled_round.py checks the distribution)."""
+    class Seam(_Seam):
+        def agree_tokens(self, tokens):
+            return tokens
+
+        def sampled_round(self, source, rows, rng):
+            return SimpleNamespace(rows=list(rows), draw=lambda logits, positions: logits.argmax(-1))
+
+    seam = Seam()
+    spec = _speculator(seam)
+    reqs = [_req("a", 300), _req("b", 200)]
+    reqs[0].sampling_params.custom_params = {"vericache_draft_len": 1}
+    width = spec.begin_iteration(reqs, [300, 200], max_width=5)
+    spec.draft_round(_batch(reqs, greedy=False), width)
+    assert spec.sampled.own_lens == [1, 4] and spec.lens == [1, 4]
+    spec.close_round()
+
+
+def test_a_snapkv_entry_rebuilt_without_its_queries_drafts_from_streamingllm():
+    """SnapKV's prompt queries are let go at the request's first round. After drafting ran
+    out of memory (every entry let go) the entry is built again without them: compress
+    raised in the scheduler and stopped it. The request drafts from StreamingLLM at its
+    ratio from then on."""
+    seam = _Seam()
+    vc = VeriCacheConfig(compressor="snapkv", ratio=4.0, draft_len=4, adaptive=False, compressed_cache_mb=0)
+    spec = Speculator(vc, seam, Stats(False), torch.Generator().manual_seed(0))
+    reqs = [_req("a", 300)]
+    spec.queries["a"] = {layer: torch.randn(8, 4, D) for layer in range(LAYERS)}  # captured at its prefill
+    _round(spec, reqs)
+    spec.close_round()
+    assert spec.store.entry("a")[0].name == "snapkv" and "a" not in spec.queries
+    seam.passes.oom = True
+    _round(spec, reqs)  # let go of every entry; the next iterations decode plainly
+    spec.close_round()
+    seam.passes.oom = False
+    for _ in range(round_mod.OUT_OF_MEMORY_PAUSE):
+        spec.begin_iteration(reqs, [300], max_width=5)
+    out = _round(spec, reqs)
+    assert list(out.tokens) == [7, 5, 5, 5, 5]  # drafting again
+    assert spec.store.entry("a")[0].name == "streamingllm" and spec.plan(reqs[0]).compressor.name == "streamingllm"
+    assert spec.store.entry("a")[0].ratio == 4.0 and spec.stats.totals["query_free_rebuilds"] == 1
+    spec.close_round()
+    _round(spec, reqs)  # kept: not rebuilt again
+    assert spec.stats.totals["query_free_rebuilds"] == 1
+    spec.close_round()
+
+
+def test_input_embeds_requests_stay_out_of_the_compressed_prefix_cache():
+    """An input_embeds request's ids are placeholders (``[1] * len``: any two of one length
+    match), and SGLang empties its output ids when it is retracted: its departing entry was
+    filed under fewer tokens than it holds, a ValueError in the scheduler. Such requests
+    neither file entries nor take them; a text request still does."""
+    seam = _Seam()
+    vc = VeriCacheConfig(compressor="streamingllm", ratio=4.0, draft_len=4, compressed_cache_mb=64, adaptive=False)
+    spec = Speculator(vc, seam, Stats(False), torch.Generator().manual_seed(0))
+    embeds = _req("e", 100)
+    embeds.origin_input_ids, embeds.input_embeds = [1] * 100, [[0.0]]
+    embeds.output_ids = [7] * 8
+    width = spec.begin_iteration([embeds], [108], max_width=5)
+    spec.draft_round(_batch([embeds]), width)
+    spec.close_round()
+    embeds.output_ids = []  # retracted: SGLang's reset_for_retract
+    spec.release_departed(["e"])
+    assert spec.prefix_cache.num_entries == 0
+    text = _req("t", 100)
+    _round(spec, [text])
+    spec.close_round()
+    spec.release_departed(["t"])
+    assert spec.prefix_cache.num_entries == 1
+    again = _req("e2", 100)
+    again.origin_input_ids, again.input_embeds = list(text.origin_input_ids), [[0.0]]
+    _round(spec, [again])  # its ids match the text request's entry, its embeddings need not
+    assert spec.prefix_cache.hits == 0 and spec.store.entry("e2")[2] == 100
+    spec.close_round()
 
 
 def test_a_finished_requests_rid_sent_again_is_a_new_request():

@@ -167,8 +167,8 @@ def install_narrowed_verify(runtime: Runtime) -> None:
     inside its worker, so the model runner's ``forward`` is wrapped: a target-verify batch
     of the active VeriCache worker's runner with deferred rows is run as a narrowed copy,
     and the logits are laid back out over every row (deferred rows' left at 0, never
-    sampled). Logprob batches (no deferred rows there) and CUDA-graph runners (fixed
-    shapes) run whole."""
+    sampled; a logprob batch's logprobs are taken from the laid-out logits afterwards, and
+    its deferred rows' are never read). CUDA-graph runners (fixed shapes) run whole."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     def make(original):

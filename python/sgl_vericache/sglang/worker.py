@@ -371,7 +371,8 @@ class VeriCacheWorker(NGRAMWorker):
         round_batch = RoundBatch(
             reqs=batch.reqs, verified=batch.seq_lens_cpu.tolist(), pool_rows=batch.req_pool_indices.tolist(),
             own_kv_start=[req.kv.cache_protected_len for req in batch.reqs],
-            greedy=batch.sampling_info.is_all_greedy, verify_all=bool(batch.return_logprob or batch.has_grammar),
+            greedy=batch.sampling_info.is_all_greedy,
+            verify_always=[bool(req.return_logprob) or req.grammar is not None for req in batch.reqs],
             source=batch)
         drafts = self.speculator.draft_round(round_batch, self.draft_token_num)
         self.verify_backend.skip_rows = frozenset(self.speculator.deferred)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 # plain decoding iterations after a round's drafting ran out of device memory (its
 # compressed entries were dropped; they are rebuilt when rounds resume)
 OUT_OF_MEMORY_PAUSE = 64
+STAND_IN = "streamingllm"  # drafts for a SnapKV / H2O request whose entry is rebuilt without its queries
 
 # Prompt queries kept per request and layer for query-aware compressors (SnapKV votes
 # with the last window_size of them; H2O accumulates attention over all it is given).
@@ -79,7 +81,7 @@ class RoundBatch:
     pool_rows: list[int]  # per row: the request's row of the request-to-token table
     own_kv_start: list[int]  # per row: where the request's own KV starts (a prefix the tree held is shared)
     greedy: bool  # every row decodes greedily
-    verify_all: bool  # logprobs or a grammar: SGLang's bookkeeping expects a token from every row
+    verify_always: list[bool]  # per row: it returns logprobs or follows a grammar (see _verifying_rows)
     source: Any = None  # SGLang's batch, handed back to the seam for the draft passes
 
 
@@ -109,6 +111,14 @@ def kv_tokens(req, n: int) -> list[int]:
     if len(tokens) < n:
         tokens += list(req.output_ids[: n - len(tokens)])
     return tokens
+
+
+def ids_name_kv(req) -> bool:
+    """Whether ``req``'s token ids name its KV, so its compressed entries can be shared by
+    them (the compressed prefix cache). An ``input_embeds`` request's ids are placeholders,
+    ``[1] * len`` (any two of one length would match), and SGLang empties its output ids
+    when it is retracted, so its tokens no longer even count its KV."""
+    return getattr(req, "input_embeds", None) is None
 
 
 def last_token(req) -> int:
@@ -299,7 +309,10 @@ class Speculator:
         if self.prefix_cache is None or req is None or have is None or self.weights_changed():
             return
         compressor, layers, n = have
-        self.prefix_cache.insert(kv_tokens(req, n), compressor, layers)
+        tokens = kv_tokens(req, n)
+        if not ids_name_kv(req) or len(tokens) != n:
+            return
+        self.prefix_cache.insert(tokens, compressor, layers)
         self.stats.prefix_cache(self.prefix_cache)
 
     def weights_changed(self) -> bool:
@@ -420,6 +433,8 @@ class Speculator:
         # rows), or past the context's last position. They accept their root's token alone.
         self.undrafted = tuple(i for i, (n, v) in enumerate(zip(self.lens, verifying)) if v and not n)
         self.stats.drafted(self.draft_seconds, sum(self.lens), steps)
+        if self.sampled is not None:  # rejection rows accept their padding as a fixed proposal
+            self.sampled.own_lens = list(lens)
         drafts = pad_drafts(drafts, lens, width - 1)
         tokens = np.concatenate([np.asarray(roots, dtype=np.int64)[:, None], drafts], axis=1)
         chain = np.tril(np.ones((width, width), dtype=bool))
@@ -495,11 +510,48 @@ class Speculator:
                 self.queries.pop(req.rid, None)
                 continue
             read_kv = self.seam.read_kv(batch.pool_rows[i])
-            queries = None
-            if req.rid not in self.store:
+            if self.parking is not None and self.parking.is_parked(req.rid) and self._reads_kv(req, batch.verified[i],
+                                                                                              plans[i].compressor):
+                # its entry is built again from its KV (let go after running out of memory, or
+                # a new compressor): read where parking freed the slots, it would compress (and
+                # file in the prefix cache) whatever now lies there. Rare: its KV comes back first.
+                self.parking.load_now(req.rid, batch.pool_rows[i])
+                self.stats.add("full_kv_loads_for_rebuild", 1)
+            queries, compressor = None, plans[i].compressor
+            if req.rid not in self.store or self._rebuilds(req, batch.verified[i], compressor):
                 queries = layer_queries(self.queries.pop(req.rid, None), self.store.num_layers)
-                self._seed_from_prefix(req, batch.verified[i], plans[i].compressor, read_kv)
-            self.store.sync(req.rid, batch.verified[i], read_kv, compressor=plans[i].compressor, queries=queries)
+                if compressor.needs_queries and queries is None:
+                    plans[i] = self._without_queries(req, plans[i])
+                    compressor = plans[i].compressor
+            if req.rid not in self.store:
+                self._seed_from_prefix(req, batch.verified[i], compressor, read_kv)
+            self.store.sync(req.rid, batch.verified[i], read_kv, compressor=compressor, queries=queries)
+
+    def _without_queries(self, req, plan: Plan) -> Plan:
+        """SnapKV and H2O choose the keys they keep by the prompt's last queries, which are
+        captured at prefill and let go at the request's first round. An entry built again
+        later (the entries let go after drafting ran out of memory, or ``auto`` moving the
+        request to one of them) has none: the request drafts from StreamingLLM at its ratio
+        from then on (before, compress raised in the scheduler and stopped it)."""
+        cfg = dataclasses.replace(self.vc, compressor=STAND_IN, ratio=plan.compressor.ratio, compressor_options="")
+        plan = plan._replace(compressor=cfg.build_compressor(STAND_IN))
+        self.planner.plans[req.rid] = plan
+        self.stats.add("query_free_rebuilds", 1)
+        self.stats.planned(STAND_IN)
+        return plan
+
+    def _rebuilds(self, req, verified: int, compressor) -> bool:
+        """Whether syncing ``req``'s entry to ``verified`` builds it from its first token (no
+        entry, a new compressor, or the request went back: ``CompressedKVStore.sync``)."""
+        entry = self.store.entry(req.rid)
+        return entry is None or entry[0] is not compressor or entry[2] > verified
+
+    def _reads_kv(self, req, verified: int, compressor) -> bool:
+        """Whether syncing ``req``'s entry to ``verified`` reads its KV at all. A parked
+        request has drafted since it was parked, so its entry had reached its verified
+        tokens, unless it was let go or its compressor changed."""
+        entry = self.store.entry(req.rid)
+        return self._rebuilds(req, verified, compressor) or entry[2] < verified
 
     def _seed_from_prefix(self, req, verified: int, compressor, read_kv) -> None:
         """A new request whose verified tokens start with a cached prefix takes its
@@ -509,7 +561,7 @@ class Speculator:
         so later requests sharing it start from it (not for methods that choose keys
         from the prompt's last queries: a prefix has no queries of its own here)."""
         self.reqs[req.rid] = req
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or not ids_name_kv(req):
             return
         self.weights_changed()
         tokens = kv_tokens(req, verified)
@@ -523,15 +575,17 @@ class Speculator:
         self.stats.prefix_cache(self.prefix_cache)
 
     def _verifying_rows(self, batch: RoundBatch) -> list[bool]:
-        """Which rows verify this round (``verifying_rows``); with logprobs or a grammar, all.
-        Rows that emit one token an iteration (``one_token_at_a_time``) verify in every round:
-        SGLang accumulates their penalties from the last output token once an iteration, so
-        an iteration that emitted nothing for them would count that token again."""
-        if batch.verify_all:
-            return [True] * len(batch.reqs)
+        """Which rows verify this round (``verifying_rows``). Some verify in every round:
+        rows that emit one token an iteration (``one_token_at_a_time``: SGLang accumulates
+        their penalties from the last output token once an iteration, so an iteration that
+        emitted nothing for them would count that token again), and rows that return
+        logprobs or follow a grammar (``batch.verify_always``: SGLang's logprob and grammar
+        bookkeeping has only ever run with a token from such a row every iteration). They
+        are never parked, so a round loads at most what the stagger picks, within what the
+        parked requests hold reserved; the batch's other rows still take turns."""
         own = [n - start for n, start in zip(batch.verified, batch.own_kv_start)]
         waited = [self.waited.get(req.rid, 0) for req in batch.reqs]
-        forced = [one_token_at_a_time(req) for req in batch.reqs]
+        forced = [always or one_token_at_a_time(req) for req, always in zip(batch.reqs, batch.verify_always)]
         return verifying_rows(self.vc.full_device_budget, own, waited, forced)
 
     def _stage_full_kv(self, batch: RoundBatch, verifying: list[bool]) -> None:

@@ -55,6 +55,9 @@ class SampledRound:
         # without seeds in the batch only greedy rows can be matched
         self.matched = greedy if params.sampling_seed is None else [g or s for g, s in zip(greedy, seeded)]
         self.q_steps = []  # per step: [bs, V] draft distributions (rejection rows; others unused)
+        # per batch row: its own draft length (set by the round once known; None: every row
+        # drafted every step). Steps past it were drafted for the round's longest row only.
+        self.own_lens = None
         self._generators = {}  # device -> this round's generator there (see generator())
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -124,13 +127,19 @@ class SampledRound:
     def _draft_probs(self, candidates, idx, n, vocab) -> torch.Tensor:
         """q [rows, n - 1, V] of the rejection rows ``idx``. Columns past a request's own draft
         length repeat its last draft token, a deterministic proposal: one-hot q there (also
-        where no q was recorded)."""
+        where no q was recorded). A row shorter than the round's longest did draft those
+        steps, but their tokens were replaced by the padding: the q recorded there is not the
+        padding's, and accepting against it skewed what the row emitted."""
         q = torch.zeros((len(idx), n - 1, vocab), dtype=torch.float32, device=candidates.device)
+        own = None if self.own_lens is None else torch.tensor([self.own_lens[i] for i in idx.tolist()],
+                                                                device=candidates.device)
         for j in range(n - 1):
             step_q = self.q_steps[j] if j < len(self.q_steps) else None
             if step_q is not None:
                 q[:, j] = step_q[idx]
             pad = q[:, j].sum(-1) == 0
+            if own is not None:
+                pad |= own <= j
             if pad.any():
                 q[pad, j] = 0.0
                 q[pad, j, candidates[idx[pad], j + 1]] = 1.0

@@ -35,6 +35,11 @@ class Stats:
         "full_kv_parks": "Requests parked at a round's start because they do not verify in it",
         "full_kv_parks_in_host_pool": "Requests parked in HiCache's host KV pool (the rest: in tensors of "
                                       "VeriCache's own, when there is no host pool or it is full)",
+        "query_free_rebuilds": "SnapKV / H2O requests whose entry was built again without their prompt queries "
+                               "(let go at their first round): they draft from StreamingLLM from then on",
+        "full_kv_loads_for_rebuild": "Parked requests loaded back before a round's drafts because their compressed "
+                                     "entry was built again from their full KV (let go after running out of memory, "
+                                     "or a new compressor)",
         "full_kv_copy_seconds": "Seconds the background copies of parked full KV back to the device took "
                                 "(on CUDA: their GPU time from timing events, once completed)",
         "fetch_draft_requests": "Waiting requests that drafted while their prefix streamed in from a storage tier "
