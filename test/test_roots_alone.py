@@ -457,6 +457,34 @@ def test_input_embeds_requests_stay_out_of_the_compressed_prefix_cache():
     spec.close_round()
 
 
+def test_an_error_compressing_one_requests_kv_ends_that_request_alone():
+    """A compressor that raises for one request (a bug of ours) stopped the scheduler: that
+    request now ends with a 500 and verifies its root alone; the others draft."""
+    class Seam(_Seam):
+        def __init__(self):
+            super().__init__()
+            self.aborted = []
+
+        def abort(self, req, message, status=400):
+            self.aborted.append((req.rid, status, message))
+
+        def read_kv(self, pool_row):
+            read = super().read_kv(pool_row)
+            if pool_row == 1:
+                return lambda layer, start, end: (_ for _ in ()).throw(RuntimeError("boom"))
+            return read
+
+    seam = Seam()
+    spec = _speculator(seam)
+    reqs = [_req("a", 300), _req("b", 200)]
+    out = _round(spec, reqs)
+    assert [(rid, status) for rid, status, _ in seam.aborted] == [("b", 500)]
+    assert "RuntimeError: boom" in seam.aborted[0][2]
+    assert spec.lens == [4, 0] and list(out.tokens.reshape(2, 5)[1]) == [7, 7, 7, 7, 7]
+    assert "a" in spec.store and "b" not in spec.store and spec.stats.totals["sync_errors"] == 1
+    spec.close_round()
+
+
 def test_a_finished_requests_rid_sent_again_is_a_new_request():
     """SGLang accepts a finished request's rid again (an agent reusing one for every turn).
     When the new request arrived before any decode iteration saw the old one leave, its

@@ -42,6 +42,7 @@ import torch
 from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.cpu.linear import weights_generation
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
+from sgl_vericache.mem_cache.full_kv_parking import ParkingError
 from sgl_vericache.spec.drafter import CompressedKVStore
 from sgl_vericache.spec.fetch_drafting import FetchDrafter
 from sgl_vericache.spec.plan import Plan, Planner, one_token_at_a_time, penalized
@@ -400,7 +401,8 @@ class Speculator:
         failed = self.roots_alone  # paused after running out of memory: no entries, no drafts
         try:
             if not failed:
-                self._sync_store(batch, plans)
+                for i in self._sync_store(batch, plans):
+                    lens[i] = 0  # ended with a 500: its root alone
         except torch.OutOfMemoryError as exc:
             if not self._out_of_memory(exc):
                 raise
@@ -501,31 +503,50 @@ class Speculator:
         if self.tier is not None:
             self.stats.tier(self.tier)
 
-    def _sync_store(self, batch: RoundBatch, plans: list[Plan]) -> None:
+    def _sync_store(self, batch: RoundBatch, plans: list[Plan]) -> list[int]:
         """Bring each drafting request's compressed entry up to its verified tokens (a new
         one's from the prefix cache where it can). Penalized requests never draft: no entry
-        (a request held by min_new_tokens keeps its own, for when it drafts)."""
+        (a request held by min_new_tokens keeps its own, for when it drafts). An error in
+        one request's compression (our bug) ends that request with a 500 and leaves the
+        round to the rest; running out of memory and parking's errors go to the caller.
+        Returns the rows that failed (they draft nothing this round)."""
+        failed = []
         for i, req in enumerate(batch.reqs):
-            if penalized(req):  # its prompt queries, captured for a batch-mate's SnapKV / H2O, go unused
-                self.queries.pop(req.rid, None)
-                continue
-            read_kv = self.seam.read_kv(batch.pool_rows[i])
-            if self.parking is not None and self.parking.is_parked(req.rid) and self._reads_kv(req, batch.verified[i],
-                                                                                              plans[i].compressor):
-                # its entry is built again from its KV (let go after running out of memory, or
-                # a new compressor): read where parking freed the slots, it would compress (and
-                # file in the prefix cache) whatever now lies there. Rare: its KV comes back first.
-                self.parking.load_now(req.rid, batch.pool_rows[i])
-                self.stats.add("full_kv_loads_for_rebuild", 1)
-            queries, compressor = None, plans[i].compressor
-            if req.rid not in self.store or self._rebuilds(req, batch.verified[i], compressor):
-                queries = layer_queries(self.queries.pop(req.rid, None), self.store.num_layers)
-                if compressor.needs_queries and queries is None:
-                    plans[i] = self._without_queries(req, plans[i])
-                    compressor = plans[i].compressor
-            if req.rid not in self.store:
-                self._seed_from_prefix(req, batch.verified[i], compressor, read_kv)
-            self.store.sync(req.rid, batch.verified[i], read_kv, compressor=compressor, queries=queries)
+            try:
+                self._sync_one(batch, plans, i)
+            except (torch.OutOfMemoryError, ParkingError):
+                raise
+            except Exception as exc:
+                logger.exception("VeriCache: compressing request %s's KV failed", req.rid)
+                self.store.release(req.rid)
+                self.seam.abort(req, f"VeriCache could not compress this request's KV: {type(exc).__name__}: {exc}",
+                                status=500)
+                self.stats.add("sync_errors", 1)
+                failed.append(i)
+        return failed
+
+    def _sync_one(self, batch: RoundBatch, plans: list[Plan], i: int) -> None:
+        req = batch.reqs[i]
+        if penalized(req):  # its prompt queries, captured for a batch-mate's SnapKV / H2O, go unused
+            self.queries.pop(req.rid, None)
+            return
+        read_kv = self.seam.read_kv(batch.pool_rows[i])
+        if self.parking is not None and self.parking.is_parked(req.rid) and self._reads_kv(req, batch.verified[i],
+                                                                                          plans[i].compressor):
+            # its entry is built again from its KV (let go after running out of memory, or
+            # a new compressor): read where parking freed the slots, it would compress (and
+            # file in the prefix cache) whatever now lies there. Rare: its KV comes back first.
+            self.parking.load_now(req.rid, batch.pool_rows[i])
+            self.stats.add("full_kv_loads_for_rebuild", 1)
+        queries, compressor = None, plans[i].compressor
+        if req.rid not in self.store or self._rebuilds(req, batch.verified[i], compressor):
+            queries = layer_queries(self.queries.pop(req.rid, None), self.store.num_layers)
+            if compressor.needs_queries and queries is None:
+                plans[i] = self._without_queries(req, plans[i])
+                compressor = plans[i].compressor
+        if req.rid not in self.store:
+            self._seed_from_prefix(req, batch.verified[i], compressor, read_kv)
+        self.store.sync(req.rid, batch.verified[i], read_kv, compressor=compressor, queries=queries)
 
     def _without_queries(self, req, plan: Plan) -> Plan:
         """SnapKV and H2O choose the keys they keep by the prompt's last queries, which are

@@ -35,6 +35,8 @@ class Stats:
         "full_kv_parks": "Requests parked at a round's start because they do not verify in it",
         "full_kv_parks_in_host_pool": "Requests parked in HiCache's host KV pool (the rest: in tensors of "
                                       "VeriCache's own, when there is no host pool or it is full)",
+        "sync_errors": "Requests ended with a 500 because compressing their KV raised (a bug, contained to the "
+                       "request)",
         "query_free_rebuilds": "SnapKV / H2O requests whose entry was built again without their prompt queries "
                                "(let go at their first round): they draft from StreamingLLM from then on",
         "full_kv_loads_for_rebuild": "Parked requests loaded back before a round's drafts because their compressed "
