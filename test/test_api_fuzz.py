@@ -116,8 +116,8 @@ good_ebnfs = st.sampled_from(['root ::= "a" | "b"', "root ::= [0-9]+"])
 bad_ebnfs = st.sampled_from(["root ::= ", "nonsense", 'root ::= "a" root2'])
 
 COMPRESSOR_OPTIONS = {  # method -> good option values
-    "kivi4": {"group_size": st.sampled_from([16, 32]), "residual_length": st.sampled_from([16, 32, 128])},
-    "kivi2": {"group_size": st.sampled_from([16, 32]), "residual_length": st.sampled_from([16, 32])},
+    "kivi4": {"group_size": st.sampled_from([16, 32, 64]), "residual_length": st.sampled_from([16, 32, 128])},
+    "kivi2": {"group_size": st.sampled_from([16, 32, 64]), "residual_length": st.sampled_from([16, 32])},
     "quest": {"page_size": st.sampled_from([8, 16]), "min_budget": st.sampled_from([16, 32])},
     "snapkv": {"window_size": st.sampled_from([8, 32]), "kernel_size": st.sampled_from([3, 7])},
     "streamingllm": {"num_sinks": st.sampled_from([1, 4]), "min_budget": st.sampled_from([16, 32])},
@@ -153,7 +153,10 @@ bad_custom_params = st.fixed_dictionaries({}, optional={
                                                     st.integers(-2, 0) | st.floats() | junk, min_size=1, max_size=2)
     | st.sampled_from(["group_size=0", "a=1", "=", ",,", "group_size"]) | junk,
     "vericache_bogus": junk,
-}).filter(bool) | st.text(max_size=4) | st.lists(st.integers(), max_size=2)
+}).filter(bool) | st.text(max_size=4) | st.lists(st.integers(), max_size=2) | st.sampled_from([
+    # KIVI group sizes that do not divide the served model's head_dim (64)
+    {"vericache_compressor": method, "vericache_compressor_options": f"group_size={group}"}
+    for method, group in (("kivi4", 48), ("kivi4", 3), ("kivi2", 6))])
 
 MODES = ("good", "good", "one_bad", "chaos")  # half the bodies reach the scheduler
 

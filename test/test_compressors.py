@@ -152,6 +152,63 @@ def test_bad_inputs_raise():
             get_compressor(name).compress(k, v, make_q(11))
 
 
+# ---------------------------------------------------------------- layout rules
+
+
+@pytest.mark.parametrize("name, options, head_dim, named", [
+    ("kivi4", {"group_size": 48}, 64, ["kivi4: group_size=48 does not divide head_dim=64",
+                                       "accepted: a divisor of 64 (1, 2, 4, 8, 16, 32, 64), or 64 and above"]),
+    ("kivi4", {"group_size": 3}, 64, ["group_size=3", "head_dim=64"]),
+    ("kivi2", {"group_size": 6}, 64, ["kivi2: group_size=6", "head_dim=64"]),
+    ("kivi4", {}, 80, ["group_size=32 does not divide head_dim=80", "(1, 2, 4, 5, 8, 10, 16, 20, 40, 80)"]),
+    ("kivi4", {}, 112, ["group_size=32 does not divide head_dim=112"]),
+    ("kivi4", {}, 120, ["group_size=32 does not divide head_dim=120"]),
+    ("kivi2", {"group_size": 1}, 66, ["kivi2: head_dim=66 is not a multiple of 4", "2-bit codes"]),
+    ("kivi4", {"group_size": 1}, 65, ["kivi4: head_dim=65 is not a multiple of 2"]),
+])
+def test_layout_refused_naming_the_value_and_what_is_accepted(name, options, head_dim, named):
+    """KIVI's layout rules, checked before a request's first round (where compress raising
+    would stop the scheduler): the message names the value and what would be accepted."""
+    with pytest.raises(ValueError) as info:
+        get_compressor(name, **options).check_layout(2, head_dim)
+    for part in named:
+        assert part in str(info.value), (part, str(info.value))
+
+
+@pytest.mark.parametrize("name, options, head_dim", [
+    ("kivi4", {"group_size": 16}, 64), ("kivi4", {"group_size": 32}, 64), ("kivi4", {"group_size": 64}, 64),
+    ("kivi4", {"group_size": 4096}, 64),  # a group of at least head_dim covers the whole head
+    ("kivi4", {"group_size": 16}, 80), ("kivi2", {"group_size": 40}, 120), ("kivi4", {}, 96),
+] + [(name, {}, head_dim) for name in ALL if not name.startswith("kivi") for head_dim in (80, 66, 65)])
+def test_layout_accepted(name, options, head_dim):
+    get_compressor(name, **options).check_layout(2, head_dim)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_layout_check_agrees_with_compress(name):
+    """check_layout passes exactly where compress, append and attend run: every rule that
+    only compress() would meet is named up front."""
+    settings = [{}] if not name.startswith("kivi") else [
+        {"group_size": g, "residual_length": 0} for g in (1, 3, 6, 16, 32, 48, 4096)]
+    for options in settings:
+        comp = get_compressor(name, **options)
+        for head_dim in (16, 64, 65, 66, 80, 120):
+            try:
+                comp.check_layout(H_KV, head_dim)
+                fits = True
+            except ValueError:
+                fits = False
+            k, v = make_kv(100, head_dim=head_dim)
+            try:
+                layer = compress(comp, k, v)
+                layer = comp.append(layer, *make_kv(3, seed=3, head_dim=head_dim))
+                comp.attend(layer, make_q(2, head_dim=head_dim), SCALE)
+                ran = True
+            except ValueError:
+                ran = False
+            assert fits == ran, (name, options, head_dim, fits, ran)
+
+
 # ---------------------------------------------------------------- every method: shapes, dtypes, sizes
 
 

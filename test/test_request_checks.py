@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -13,7 +14,8 @@ from sgl_vericache.config import VeriCacheConfig
 
 VOCAB = 49152
 PLAIN = checks.Limits(VOCAB)  # VeriCache off: custom_params are not ours to check
-WITH_VC = checks.Limits(VOCAB, VeriCacheConfig())
+SMOLLM2 = ((3, 64),)  # (KV heads, head_dim) of SmolLM2-135M's attention, the served model of the API tests
+WITH_VC = checks.Limits(VOCAB, VeriCacheConfig(), kv_layouts=SMOLLM2)
 CORPUS = json.loads((Path(__file__).parent / "fuzz_corpus.json").read_text())
 
 
@@ -177,12 +179,76 @@ def test_custom_params_errors_of_any_type_are_refused(monkeypatch):
     still this request's bad value, never the server's."""
     import sgl_vericache.config as config
 
-    def broken(custom_params, server):
+    def broken(custom_params, server, layouts=()):
         raise AttributeError("'int' object has no attribute 'split'")
 
     monkeypatch.setattr(config, "request_config", broken)
     message = refused({"text": "hi", "sampling_params": {"custom_params": {"vericache_ratio": 2}}})
     assert "AttributeError" in message and "custom_params" in message
+
+
+@pytest.mark.parametrize("options", ["group_size=48", "group_size=3", {"group_size": 48}])
+def test_a_compressor_override_the_model_cannot_use_is_refused(options):
+    """kivi4 with a group size that does not divide head_dim passed these checks and raised
+    at the request's first round, which stopped the scheduler: a 400 now, naming the value
+    and what is accepted."""
+    body = {"text": "hi", "sampling_params": {"custom_params": {"vericache_compressor": "kivi4",
+                                                                "vericache_compressor_options": options}}}
+    message = refused(body)
+    group = options if isinstance(options, str) else "group_size=48"
+    assert message.startswith("sampling_params: bad VeriCache custom_params"), message
+    assert f"kivi4: {group} does not divide head_dim=64" in message, message
+    assert "accepted: a divisor of 64 (1, 2, 4, 8, 16, 32, 64), or 64 and above" in message, message
+    message = refused({"text": ["a", "b"], "sampling_params": [{}, body["sampling_params"]]})
+    assert message.startswith("sampling_params[1]: ") and "does not divide head_dim=64" in message, message
+    checks.check_generate_body(body, checks.Limits(VOCAB, VeriCacheConfig()))  # layout unknown: left to the worker
+
+
+@pytest.mark.parametrize("group", [16, 32, 64, 4096])
+def test_a_compressor_override_the_model_can_use_is_accepted(group):
+    for method in ("kivi4", "kivi2"):
+        checks.check_generate_body({"text": "hi", "sampling_params": {"custom_params": {
+            "vericache_compressor": method, "vericache_compressor_options": f"group_size={group}"}}}, WITH_VC)
+
+
+def test_head_dim_80_refuses_kivi_at_its_default_group_and_takes_auto():
+    limits = checks.Limits(VOCAB, VeriCacheConfig(), kv_layouts=((32, 80),))
+    message = refused({"text": "hi", "sampling_params": {"custom_params": {"vericache_compressor": "kivi4"}}}, limits)
+    assert "kivi4: group_size=32 does not divide head_dim=80" in message, message
+    for custom in ({"vericache_compressor": "auto"}, {"vericache_draft_len": 4},
+                   {"vericache_compressor": "kivi4", "vericache_compressor_options": "group_size=16"}):
+        checks.check_generate_body({"text": "hi", "sampling_params": {"custom_params": custom}}, limits)
+
+
+def _tokenizer_manager(head_dim=64, swa_head_dim=None):
+    """The parts of SGLang's TokenizerManager (and its ModelConfig) the checks read."""
+    config = types.SimpleNamespace(vocab_size=VOCAB, head_dim=head_dim, swa_head_dim=swa_head_dim,
+                                   get_num_kv_heads=lambda tp: 6 // tp, get_swa_num_kv_heads=lambda tp: 4 // tp)
+    return types.SimpleNamespace(model_config=config, server_args=types.SimpleNamespace(tp_size=2))
+
+
+def test_the_tokenizer_side_knows_the_models_heads(monkeypatch):
+    """limits_of (the HTTP, OpenAI and tokenizer-manager checks) carries the model's head
+    layout, per tensor-parallel rank, a sliding-window layer's too where its size differs;
+    the catch-all hook after tokenization refuses an override it cannot serve (a 400 before
+    the scheduler), for multimodal and input_embeds requests as well."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from sgl_vericache.sglang import validation
+    from sgl_vericache.sglang.runtime import Runtime
+
+    assert validation.limits_of(_tokenizer_manager()).kv_layouts == ((3, 64),)
+    assert validation.kv_layouts_of(_tokenizer_manager(swa_head_dim=128)) == ((2, 128), (3, 64))
+    broken = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=VOCAB, head_dim=64))
+    assert validation.kv_layouts_of(broken) == ()  # no head count to read: left to the worker
+    monkeypatch.setenv("VERICACHE_CONFIG", json.dumps(dataclasses.asdict(VeriCacheConfig())))
+    validation.install_tokenizer_checks(Runtime())
+    custom = {"vericache_compressor": "kivi4", "vericache_compressor_options": "group_size=48"}
+    for extra in ({"input_ids": [1, 2]}, {"input_embeds": [[0.0] * 4] * 2}):
+        obj = GenerateReqInput(sampling_params={"custom_params": custom}, **extra)
+        with pytest.raises(checks.RequestError, match="kivi4: group_size=48 does not divide head_dim=64"):
+            TokenizerManager._validate_one_request(_tokenizer_manager(), obj, [1, 2])
 
 
 def test_corpus_native_bodies_are_refused_by_the_rules():

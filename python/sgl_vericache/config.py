@@ -38,7 +38,8 @@ class VeriCacheConfig:
     compressor: str = _opt(
         "auto", "KV compressor the draft reads (see mem_cache/compress); auto = per request, the candidate "
         "(streamingllm, a token dropper; kivi4, a 4-bit quantizer) with the most expected tokens per second at its "
-        "context length, re-chosen when its measured acceptance says so.")
+        "context length, re-chosen when its measured acceptance says so (kivi4 only on models whose head_dim its "
+        "group size divides). A compressor that cannot serve the model's heads is refused when the server starts.")
     ratio: float = _opt(
         4.0, "Target compression ratio against the full KV (droppers: kept-token budget).", min=1.0, max=64.0
     )
@@ -115,7 +116,8 @@ class VeriCacheConfig:
         "is logged and in /server_info. Off = SGLang's own sizing: drafting that then runs out of device memory "
         "decodes plainly for a while.")
     compressor_options: str = _opt(
-        "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32'."
+        "", "Compressor method options as name=value pairs, e.g. 'group_size=32,residual_length=32' (kivi4 / kivi2: "
+        "group_size must divide the model's head_dim, or be at least it)."
     )
 
     def __post_init__(self) -> None:
@@ -249,12 +251,14 @@ def parse_known(argv: Sequence[str]) -> tuple[VeriCacheConfig, list[str]]:
 REQUEST_KEYS = ("compressor", "ratio", "draft_len", "compressor_options")
 
 
-def request_config(custom_params: Any, server: VeriCacheConfig) -> VeriCacheConfig:
+def request_config(custom_params: Any, server: VeriCacheConfig, layouts: Sequence[tuple[int, int]] = ()
+                   ) -> VeriCacheConfig:
     """The config one request runs with: the server's, with its overrides applied. Every
     bad value raises ValueError naming its key and what is accepted (the request gets a
     400). ``vericache_compressor_options`` may be a ``name=value,...`` string or an object
     of option values. A draft length above the server's is refused (the verify width is
-    fixed at start)."""
+    fixed at start), and so is a compressor that cannot serve the model's ``layouts``
+    ((num_kv_heads, head_dim) of its attention layers; ``auto`` picks among those that can)."""
     if custom_params is None:
         return server
     if not isinstance(custom_params, dict):
@@ -281,10 +285,18 @@ def request_config(custom_params: Any, server: VeriCacheConfig) -> VeriCacheConf
                          f"--vericache-draft-len {server.draft_len}; accepted: an integer from 1 to {server.draft_len}")
     try:
         cfg = dataclasses.replace(server, **overrides)
-        cfg.build_compressor()  # bad ratio or options for this method: named here, not at the first round
+        compressor = cfg.build_compressor()  # bad ratio or options for this method: named here, not at the first round
+        if cfg.compressor != AUTO:
+            check_layouts(compressor, layouts)
     except ValueError as exc:
         raise ValueError(f"bad VeriCache custom_params {overrides!r}: {exc}") from None
     return cfg
+
+
+def check_layouts(compressor, layouts: Sequence[tuple[int, int]]) -> None:
+    """``compressor.check_layout`` for each (num_kv_heads, head_dim) of ``layouts``."""
+    for num_kv_heads, head_dim in layouts:
+        compressor.check_layout(num_kv_heads, head_dim)
 
 
 def _options_text(key: str, options: dict) -> str:

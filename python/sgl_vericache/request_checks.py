@@ -21,7 +21,9 @@ server. These are the fields and the rules (docs/reliability.md has the full tab
 - ``session_params``: SGLang's ``SessionParams`` fields with their types (an unknown one was
   a 500, a wrong type reaches the scheduler);
 - ``sampling_params.custom_params``: VeriCache's ``vericache_*`` keys, when VeriCache is
-  on, through ``config.request_config`` (so a bad override is refused before it is queued);
+  on, through ``config.request_config`` (so a bad override is refused before it is queued),
+  a compressor among them against the model's head layout (``Limits.kv_layouts``: a KIVI
+  ``group_size`` that does not divide head_dim raised at the request's first round);
 - an OpenAI chat body and its ``response_format``: objects (SGLang's pre-validation read them
   with ``.get`` before pydantic checked their types; a number or a list there was a 500).
 
@@ -58,6 +60,9 @@ class Limits:
     vocab_size: int
     vericache: Any = None  # the server's VeriCacheConfig when VeriCache is on, else None
     sampling_fields: Optional[frozenset] = None  # the names sampling_params may have (None: any)
+    # (num_kv_heads, head_dim) of the model's attention layers, as its compressed entries hold
+    # them: a compressor override must serve each (empty: not known, not checked)
+    kv_layouts: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -131,11 +136,12 @@ def check_top_logprobs(num: Any, name: str, limits: Limits) -> None:
                            f"{limits.vocab_size} (the vocabulary size)")
 
 
-def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Optional[frozenset] = None) -> None:
+def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Optional[frozenset] = None,
+                          kv_layouts: tuple = ()) -> None:
     """What SGLang does not check in ``sampling_params``: its field names (``fields``), the
     ``stop_regex`` patterns, ``n``, ``logit_bias``, a vanishing ``repetition_penalty`` and,
     when ``vericache`` (the server's VeriCacheConfig) is given, VeriCache's
-    ``custom_params``."""
+    ``custom_params`` (a compressor among them against ``kv_layouts``, see ``Limits``)."""
     if not isinstance(params, dict):
         return
     unknown = sorted(map(str, set(params) - fields)) if fields is not None else []
@@ -155,7 +161,7 @@ def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Opt
     if isinstance(penalty, (int, float)) and not isinstance(penalty, bool) and 0 < penalty < MIN_REPETITION_PENALTY:
         raise RequestError(f"{names.sampling('repetition_penalty')} {show(penalty)} is too small to compute with; "
                            f"accepted: a number from {MIN_REPETITION_PENALTY:g} to 2 (1 = no penalty)")
-    check_custom_params(params.get("custom_params"), names.sampling_params, vericache)
+    check_custom_params(params.get("custom_params"), names.sampling_params, vericache, kv_layouts)
 
 
 def check_logit_bias(bias: Any, name: str) -> None:
@@ -210,17 +216,18 @@ def check_stop_regex(patterns: Any, name: str) -> None:
                                "accepted: a Python regular expression") from None
 
 
-def check_custom_params(custom_params: Any, where: str, vericache: Any) -> None:
+def check_custom_params(custom_params: Any, where: str, vericache: Any, kv_layouts: tuple = ()) -> None:
     """VeriCache's per-request keys against ``vericache`` (None: VeriCache is off, nothing
-    to check): ``request_config`` type- and range-checks each and builds the compressor;
-    its messages name ``custom_params`` and the key, ``where`` says whose (``sampling_params``)."""
+    to check): ``request_config`` type- and range-checks each, builds the compressor and
+    checks it serves ``kv_layouts``; its messages name ``custom_params`` and the key,
+    ``where`` says whose (``sampling_params``)."""
     if vericache is None or custom_params is None:
         return
     from sgl_vericache.config import request_config
 
     prefix = f"{where}: " if where else ""
     try:
-        request_config(custom_params, vericache)
+        request_config(custom_params, vericache, kv_layouts)
     except ValueError as exc:
         raise RequestError(f"{prefix}{exc}") from None
     except Exception as exc:  # a parser that raised something else: still this request's value
@@ -281,7 +288,7 @@ def check_generate_body(body: Any, limits: Limits, names: Names = NATIVE) -> Non
     for i, num in _batch(body.get("top_logprobs_num"), _is_int):
         check_top_logprobs(num, _at(names.top_logprobs_num, i), limits)
     for i, params in _batch(body.get("sampling_params"), lambda v: isinstance(v, dict)):
-        check_sampling_params(params, _at_names(names, i), limits.vericache, limits.sampling_fields)
+        check_sampling_params(params, _at_names(names, i), limits.vericache, limits.sampling_fields, limits.kv_layouts)
 
 
 def check_tokenized(input_ids: Optional[list], top_logprobs_num: Any, limits: Limits, names: Names = NATIVE) -> None:

@@ -5,7 +5,9 @@ Touches, all in the HTTP / tokenizer-manager process (and the offline ``Engine``
 
 - ``TokenizerManager._validate_one_request``: every generate (sub-)request after
   tokenization, whatever API sent it (native, OpenAI, the frontend DSL, Anthropic, Ollama,
-  the offline Engine): the catch-all, named in native field names;
+  the offline Engine): the catch-all, named in native field names; VeriCache's
+  ``custom_params`` against the model's head layout here too (multimodal and input_embeds
+  requests included: the hook below has no tokenizer manager, so no model, to ask);
 - ``GenerateReqInput.normalize_batch_and_arguments``: ``sampling_params`` (field names,
   ``stop_regex``, ``n``, VeriCache's ``custom_params``) before SGLang expands ``n`` into
   ``n`` requests;
@@ -52,7 +54,26 @@ def _vericache_from(raw: str):
 
 def limits_of(tokenizer_manager) -> checks.Limits:
     """The served model's limits, VeriCache's config and the sampling fields SGLang knows."""
-    return checks.Limits(tokenizer_manager.model_config.vocab_size, vericache_config(), sampling_fields())
+    return checks.Limits(tokenizer_manager.model_config.vocab_size, vericache_config(), sampling_fields(),
+                         kv_layouts_of(tokenizer_manager))
+
+
+def kv_layouts_of(tokenizer_manager) -> tuple:
+    """(KV heads per tensor-parallel rank, head_dim) of the served model's attention layers
+    (a sliding-window layer's too, where its head size differs), as the workers' compressed
+    entries hold them: what a request's compressor override must serve. () where the model
+    config does not say: the worker's planner then refuses such an override itself (a 400
+    at the request's prefill), so a config this cannot read must not fail every request."""
+    config = tokenizer_manager.model_config
+    tp_size = getattr(getattr(tokenizer_manager, "server_args", None), "tp_size", 1) or 1
+    try:
+        layouts = {(config.get_num_kv_heads(tp_size), config.head_dim)}
+        swa_head_dim = getattr(config, "swa_head_dim", None)
+        if swa_head_dim and swa_head_dim != config.head_dim:
+            layouts.add((config.get_swa_num_kv_heads(tp_size), swa_head_dim))
+    except Exception:  # a config of a shape SGLang reads elsewhere (no head count, VGQA)
+        return ()
+    return tuple(sorted(layout for layout in layouts if layout[1]))
 
 
 # SamplingParams' internal fields (set by its normalize(); "not API-facing"): a client that
@@ -81,9 +102,14 @@ def install_tokenizer_checks(runtime: Runtime) -> None:
 
     def make(original):
         def _validate_one_request(self, obj, input_ids):
-            if isinstance(obj, GenerateReqInput) and obj.input_embeds is None and not obj.contains_mm_input():
-                checks.check_tokenized(input_ids, obj.top_logprobs_num, limits_of(self))
-                checks.check_session_params(obj.session_params)
+            if isinstance(obj, GenerateReqInput):
+                limits = limits_of(self)
+                if obj.input_embeds is None and not obj.contains_mm_input():
+                    checks.check_tokenized(input_ids, obj.top_logprobs_num, limits)
+                    checks.check_session_params(obj.session_params)
+                params = obj.sampling_params if isinstance(obj.sampling_params, dict) else {}
+                checks.check_custom_params(params.get("custom_params"), "sampling_params", limits.vericache,
+                                           limits.kv_layouts)
             return original(self, obj, input_ids)
 
         return _validate_one_request

@@ -149,6 +149,14 @@ class WorkerSeam:
                           self.model_runner.model_config.dtype, logit_cap(layer) or 0.0,
                           has_attention_sinks(self.model_runner.model))
 
+    def kv_layouts(self) -> tuple:
+        """(KV heads, head_dim) of each distinct shape of this rank's attention layers: what
+        every compressor a request may get must serve (``Planner.serve_layouts``)."""
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        return tuple(sorted({(m.tp_k_head_num, m.qk_head_dim) for m in self.model_runner.model.modules()
+                             if isinstance(m, RadixAttention)}))
+
     def full_kv_bytes_per_token(self) -> int:
         """Bytes of full KV per token (every layer's keys and values); 0 if the pool has no
         per-layer buffers to measure."""
@@ -217,6 +225,9 @@ class VeriCacheWorker(NGRAMWorker):
             self.vc = dataclasses.replace(self.vc, fetch_draft_tokens=0)
         rng = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
         self.speculator = Speculator(self.vc, self.seam, Stats(get_observability().enable_metrics), rng)
+        # a compressor that cannot serve the model's heads (a KIVI group size that does not divide
+        # head_dim) is refused here, and auto's candidates narrowed, not met at a first round
+        self.speculator.planner.serve_layouts(self.seam.kv_layouts())
         self.ngram_corpus = NoCorpus(self.speculator.release_departed)
         self.verify_backend = None
         if self.vc.full_device_budget >= 0:

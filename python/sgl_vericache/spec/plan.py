@@ -10,13 +10,14 @@ picks each request's compressor and moves it when its measured acceptance says s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import time
 from typing import NamedTuple, Optional, Sequence
 
-from sgl_vericache.config import AUTO, AUTO_CANDIDATES, VeriCacheConfig, request_config
+from sgl_vericache.config import AUTO, AUTO_CANDIDATES, FLAG_PREFIX, VeriCacheConfig, check_layouts, request_config
 from sgl_vericache.mem_cache.compress import KVCompressor
 from sgl_vericache.spec.adaptive import Controller, Decision, Row
 
@@ -82,6 +83,52 @@ def _remaining(req) -> Optional[int]:
     return max(limit - len(req.output_ids), 0) if isinstance(limit, int) else None
 
 
+def layout_refusals(vc: VeriCacheConfig, names: Sequence[str], layouts: Sequence[tuple[int, int]]) -> dict:
+    """name -> why that compressor, as ``vc`` builds it, cannot serve ``layouts`` ((num_kv_heads,
+    head_dim) of the model's attention layers), for each of ``names`` that cannot."""
+    refusals = {}
+    for name in names:
+        try:
+            check_layouts(vc.build_compressor(name), layouts)
+        except ValueError as exc:
+            refusals[name] = str(exc)
+    return refusals
+
+
+def auto_candidates(vc: VeriCacheConfig, layouts: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+    """The candidates ``auto`` chooses among on this model (the server's or a request's
+    ``auto``: default options): kivi4 drops out, logged, where its group size does not divide
+    head_dim, rather than stop the scheduler at the first round of a request it is chosen for."""
+    refusals = layout_refusals(dataclasses.replace(vc, compressor=AUTO, compressor_options=""), AUTO_CANDIDATES,
+                               layouts)
+    for name, why in refusals.items():
+        logger.warning("VeriCache: auto (the server's compressor or a request's) chooses without %s on this model "
+                       "(%s): %s", name, _shown(layouts), why)
+    return tuple(name for name in AUTO_CANDIDATES if name not in refusals)
+
+
+def served_compressors(vc: VeriCacheConfig, layouts: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+    """The compressors requests get without naming one: the configured one, or ``auto``'s
+    candidates that fit. A configured compressor that cannot serve ``layouts``, or an ``auto``
+    with no candidate left, raises ValueError naming the rule: the server refuses to start."""
+    if vc.compressor == AUTO:
+        served = auto_candidates(vc, layouts)
+        if not served:
+            raise ValueError(f"{FLAG_PREFIX}compressor {AUTO}: no candidate ({', '.join(AUTO_CANDIDATES)}) can serve "
+                             f"this model's attention ({_shown(layouts)}); name a compressor that can")
+        return served
+    refusal = layout_refusals(vc, [vc.compressor], layouts).get(vc.compressor)
+    if refusal is not None:
+        raise ValueError(f"{FLAG_PREFIX}compressor {vc.compressor} cannot serve this model's attention "
+                         f"({_shown(layouts)}): {refusal}; set its options with {FLAG_PREFIX}compressor-options, "
+                         "or choose another compressor")
+    return (vc.compressor,)
+
+
+def _shown(layouts: Sequence[tuple[int, int]]) -> str:
+    return ", ".join(f"{heads} KV heads of head_dim {dim}" for heads, dim in layouts)
+
+
 class Planner:
     def __init__(self, vc: VeriCacheConfig, stats, abort, default_compressor: KVCompressor,
                  padded_drafts: bool = True):
@@ -92,6 +139,8 @@ class Planner:
         self.plans = {}  # rid -> Plan
         self.owners = {}  # rid -> the Req planned (SGLang accepts a finished request's rid again)
         self.compressors = {}  # (method, ratio, options) -> compressor (shared, stateless)
+        self.layouts = ()  # the model's (num_kv_heads, head_dim) pairs, once serve_layouts knows them
+        self.candidates = AUTO_CANDIDATES  # auto's, narrowed by serve_layouts to those that fit
         self.controller = None
         if vc.adaptive:
             schedule = [int(d) for d in os.environ.get(SCHEDULE_ENV, "").split(",") if d.strip()]
@@ -155,9 +204,21 @@ class Planner:
         for rid in [rid for rid, req in self.unseen.items() if _finished(req)]:
             self.forget(rid)
 
+    def serve_layouts(self, layouts: Sequence[tuple[int, int]]) -> None:
+        """The model's attention layouts, given once its worker knows them (before any request):
+        a request's compressor override is checked against them at its plan (a 400, where the
+        tokenizer's checks did not already refuse it), and ``auto`` chooses among the candidates
+        that fit. Raises ValueError (``served_compressors``) when the server's compressor cannot
+        serve them."""
+        served = served_compressors(self.vc, layouts)
+        self.layouts = tuple(layouts)
+        self.candidates = served if self.vc.compressor == AUTO else auto_candidates(self.vc, layouts)
+        if self.default_compressor.name not in served:  # what an aborted request's plan names
+            self.default_compressor = self._compressor(self.vc, served[0])
+
     def _new_plan(self, req, rows: int) -> Plan:
         custom = req.sampling_params.custom_params
-        cfg = request_config(custom, self.vc)
+        cfg = request_config(custom, self.vc, self.layouts)
         name = cfg.compressor
         if name == AUTO:
             name = self._choose(cfg, len(req.origin_input_ids), req.rid, rows=rows, remaining=_remaining(req))
@@ -167,7 +228,7 @@ class Planner:
     def configured_compressors(self) -> list[KVCompressor]:
         """The compressors requests get without asking for another: the configured one, or
         under ``auto`` each candidate (the instances their plans will share)."""
-        names = AUTO_CANDIDATES if self.vc.compressor == AUTO else (self.vc.compressor,)
+        names = self.candidates if self.vc.compressor == AUTO else (self.vc.compressor,)
         return [self._compressor(self.vc, name) for name in names]
 
     def _compressor(self, cfg: VeriCacheConfig, name: str) -> KVCompressor:
@@ -180,9 +241,9 @@ class Planner:
                 remaining: Optional[int] = None) -> str:
         """``rows``: the batch it drafts in; the last decode iteration's rows (the running
         batch) are priced as they are, the rest like this request."""
-        if self.controller is None:
-            return AUTO_CANDIDATES[0]
-        candidates = [(name, draft_kv_fraction(self._compressor(cfg, name))) for name in AUTO_CANDIDATES]
+        if self.controller is None or len(self.candidates) == 1:
+            return self.candidates[0]
+        candidates = [(name, draft_kv_fraction(self._compressor(cfg, name))) for name in self.candidates]
         return self.controller.choose_compressor(candidates, context, rid, current, margin=0.15, rows=rows,
                                                  others=self._running(), remaining=remaining)
 
@@ -271,7 +332,7 @@ class Planner:
             return
         cfg = request_config(req.sampling_params.custom_params, self.vc)
         if forced:
-            name = AUTO_CANDIDATES[(AUTO_CANDIDATES.index(plan.compressor.name) + 1) % len(AUTO_CANDIDATES)]
+            name = self.candidates[(self.candidates.index(plan.compressor.name) + 1) % len(self.candidates)]
         else:
             name = self._choose(cfg, row.full_kv, req.rid, plan.compressor.name, rows=len(self.rows),
                                 remaining=row.remaining)

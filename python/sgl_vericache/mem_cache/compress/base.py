@@ -234,6 +234,12 @@ class KVCompressor(ABC):
         """How many trailing prompt queries compress() uses (None: as many as given)."""
         return None
 
+    def check_layout(self, num_kv_heads: int, head_dim: int) -> None:
+        """Raise ValueError, naming the value and what is accepted, if entries of this many KV
+        heads of this size break one of the method's rules (override where one exists). Checked
+        before a request is admitted and when a server starts: compress() raising at a
+        request's first round would stop SGLang's scheduler, not end one request."""
+
     @abstractmethod
     def compress(self, k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None = None) -> CompressedLayer:
         """Build the entry from a request's full KV for one layer (k, v: [T, H_kv, D])."""

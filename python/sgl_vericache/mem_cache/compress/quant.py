@@ -116,19 +116,25 @@ class KiviCompressor(KVCompressor):
         group = self.options["group_size"]
         return group * (max(0, num_tokens - self.options["residual_length"]) // group)
 
-    def _value_group(self, head_dim: int) -> int:
-        group = min(self.options["group_size"], head_dim)
-        if head_dim % group or head_dim % (8 // self.bits):
-            raise ValueError(
-                f"{self.name}: head_dim={head_dim} must be a multiple of group_size={group} "
-                f"and of {8 // self.bits} (codes per byte)"
-            )
-        return group
+    def check_layout(self, num_kv_heads, head_dim):
+        """A value's scale covers ``group_size`` channels of a head (the whole head when the
+        group is at least head_dim), and codes are packed 8 // bits to a byte along it."""
+        per_byte = 8 // self.bits
+        if head_dim % per_byte:
+            raise ValueError(f"{self.name}: head_dim={head_dim} is not a multiple of {per_byte} ({self.bits}-bit codes "
+                             f"are packed {per_byte} to a byte along a head); accepted: a head_dim that is a multiple "
+                             f"of {per_byte}; use another compressor (int8, fp8, a token dropper) for this model")
+        group = self.options["group_size"]
+        if head_dim % min(group, head_dim):
+            divisors = ", ".join(str(d) for d in range(1, head_dim + 1) if head_dim % d == 0)
+            raise ValueError(f"{self.name}: group_size={group} does not divide head_dim={head_dim} (a value's scale "
+                             f"covers group_size channels of a head); accepted: a divisor of {head_dim} "
+                             f"({divisors}), or {head_dim} and above")
 
     def compress(self, k, v, queries=None):
         check_kv(k, v)
         num_tokens, num_heads, head_dim = k.shape
-        self._value_group(head_dim)
+        self.check_layout(num_heads, head_dim)
         empty = self._quantize(k[:0], v[:0])
         layer = KiviLayer(0, num_heads, head_dim, k.dtype, *empty, k[:0].clone(), v[:0].clone())
         return self.append(layer, k, v)
@@ -152,7 +158,7 @@ class KiviCompressor(KVCompressor):
     def _quantize(self, k, v):
         """k, v: [Tq, H, D] with Tq a multiple of group_size -> the six quantized tensors."""
         num_tokens, num_heads, head_dim = k.shape
-        group, vgroup = self.options["group_size"], self._value_group(head_dim)
+        group, vgroup = self.options["group_size"], min(self.options["group_size"], head_dim)
         kg = k.reshape(num_tokens // group, group, num_heads, head_dim)
         k_codes, k_scale, k_zero = quantize_asym(kg, dim=1, bits=self.bits)  # reduce over tokens
         vg = v.reshape(num_tokens, num_heads, head_dim // vgroup, vgroup)
