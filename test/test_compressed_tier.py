@@ -19,11 +19,14 @@ from hypothesis import strategies as st
 from sgl_vericache.mem_cache.compress import get_compressor
 from sgl_vericache.mem_cache.compress.registry import available_compressors
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
+from sgl_vericache.mem_cache import compressed_tier
 from sgl_vericache.mem_cache.compressed_tier import (
     INDEX_RECORD_BYTES,
+    MAGIC,
     CompressedTier,
     CorruptEntryError,
     DictBlobStore,
+    OtherFormatError,
     Throughput,
     decode_entry,
     decode_index_record,
@@ -169,7 +172,7 @@ def test_tier_spill_then_fetch_from_memory_then_from_the_store():
     store.blobs.clear()
     assert tier.fetch(tokens, stub).result(5) is None
     # damaged in the store: refused, counted
-    store.blobs[stub.storage_key] = b"VCE1" + bytes(stub.nbytes)
+    store.blobs[stub.storage_key] = MAGIC + bytes(stub.nbytes)
     assert tier.fetch(tokens, stub).result(5) is None
     store.fail_gets = True
     assert tier.fetch(tokens, stub).result(5) is None
@@ -311,6 +314,116 @@ def test_index_records_and_anchors():
     assert index_anchors(700) == [640, 576, 512, 448, 384, 320, 256, 192, 128]
     assert index_anchors(300, longer_than=200) == [256, 192] and index_anchors(63) == []
     assert index_anchors(130, longer_than=130) == [128] and index_anchors(130, longer_than=192) == []
+
+
+def _resigned(data, tokens, key, edit):
+    """``data`` with its header changed by ``edit`` and signed again: a digest-valid entry
+    as another build of this format version would write it."""
+    import hashlib
+    import json
+
+    start = compressed_tier._PREFIX.size + compressed_tier._DIGEST
+    _, header_len = compressed_tier._PREFIX.unpack_from(data)
+    header = json.loads(data[start : start + header_len])
+    edit(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    body = new + data[start + header_len :]
+    return compressed_tier._PREFIX.pack(MAGIC, len(new)) + compressed_tier._entry_digest(key, tokens, body) + body
+
+
+def _stored(store, tokens, key, data):
+    store.put("vericache-c-x", data)
+    return compressed_tier.SpilledEntry(len(tokens), key, nbytes=len(data), storage_key="vericache-c-x")
+
+
+def test_an_entry_whose_fields_differ_from_this_builds_is_a_miss_not_decoded(monkeypatch, caplog):
+    """Another build's layer class with a field more (or fewer) wrote a digest-valid entry:
+    ``cls(**fields)`` raised TypeError into the Future, and the scheduler thread re-raised it.
+    It is refused before any tensor is built, counted, and logged once."""
+    import logging
+
+    comp, layers = _entry("streamingllm")
+    tokens, key = tuple(range(100, 148)), "('k',)"
+    data = encode_entry(tokens, layers, key)
+    extra = _resigned(data, tokens, key, lambda h: h["layers"][0]["fields"].update(sink_count={"value": 4}))
+    fewer = _resigned(data, tokens, key, lambda h: h["layers"][1]["fields"].pop("positions"))
+    built = []
+    monkeypatch.setattr(compressed_tier, "_field", lambda spec, blob: built.append(spec))
+    for forged, match in ((extra, r"fields \['sink_count'\] this build lacks"), (fewer, r"without \['positions'\]")):
+        with pytest.raises(OtherFormatError, match=match):
+            decode_entry(forged, tokens, key)
+    assert built == []  # not decoded
+    monkeypatch.undo()
+    store = DictBlobStore()
+    tier = CompressedTier(store)
+    with caplog.at_level(logging.WARNING):
+        for forged in (extra, fewer):
+            assert tier.fetch(tokens, _stored(store, tokens, key, forged)).result(5) is None
+    c = tier.snapshot()
+    assert (c["fetch_other_format"], c["fetch_corrupt"], c["fetches"]) == (2, 0, 0)
+    assert len([r for r in caplog.records if "another format" in r.getMessage()]) == 1  # logged once
+    assert tier.fetch(tokens, _stored(store, tokens, key, data)).result(5) is not None  # this build's own: read
+    tier.close()
+
+
+def test_an_entry_of_another_format_version_is_a_miss_without_decoding(monkeypatch):
+    """The magic names the format version, checked before the digest or the header; the
+    index names carry it too, so a lookup never even reads another version's entries (the
+    ones this build wrote before the version was added, format 1, among them)."""
+    comp, layers = _entry("kivi4", tokens=100)
+    tokens, key = tuple(range(100)), repr(comp)
+    data = encode_entry(tokens, layers, key)
+    digested = []
+    monkeypatch.setattr(compressed_tier, "_entry_digest", lambda *a: digested.append(a))
+    for magic in (b"VCE1", b"VCE3"):
+        with pytest.raises(OtherFormatError, match=f"magic {magic!r}, this build reads {MAGIC!r}"):
+            decode_entry(magic + data[4:], tokens, key)
+    with pytest.raises(CorruptEntryError) as refused:
+        decode_entry(b"ABCD" + data[4:], tokens, key)
+    assert not isinstance(refused.value, OtherFormatError)  # not an entry at all: corrupt
+    assert digested == []  # refused before its digest, let alone its header, was looked at
+    monkeypatch.undo()
+    store = DictBlobStore()
+    tier = CompressedTier(store)
+    assert tier.fetch(tokens, _stored(store, tokens, key, b"VCE1" + data[4:])).result(5) is None
+    assert tier.snapshot()["fetch_other_format"] == 1 and tier.snapshot()["fetch_corrupt"] == 0
+    # a build of another version wrote this entry and its index record: not found, not read
+    monkeypatch.setattr(compressed_tier, "MAGIC", b"VCE3")
+    _spilled(store, comp, {tokens: layers})
+    monkeypatch.undo()
+    assert tier.find(tokens, comp).result(5) is None
+    c = tier.snapshot()
+    assert c["index_probes"] == 1 and c["fetch_other_format"] == 1 and c["fetches"] == 0
+    _spilled(store, comp, {tokens: layers})  # this version's: found
+    assert tier.find(tokens, comp).result(5)[0] == 100
+    tier.close()
+
+
+def test_errors_on_the_reader_thread_are_misses_not_exceptions_in_the_future(monkeypatch):
+    """Whatever fails while reading (decoding raising anything, an ``accept`` that raises),
+    the Future the scheduler thread collects holds None, never an exception."""
+    comp, layers = _entry("kivi4", tokens=70)
+    tokens = tuple(range(70))
+    store = DictBlobStore()
+    _spilled(store, comp, {tokens: layers})
+    tier = CompressedTier(store)
+
+    def broken(*args):
+        raise RuntimeError("a bug decoding")
+
+    monkeypatch.setattr(compressed_tier, "decode_entry", broken)
+    assert tier.find(tokens, comp).result(5) is None
+    assert tier.snapshot()["fetch_corrupt"] == 1
+    monkeypatch.undo()
+
+    def accept(n, nbytes):
+        raise ZeroDivisionError("no speed measured")
+
+    future = tier.find(tokens, comp, accept=accept)
+    assert future.exception(5) is None and future.result() is None
+    assert tier.snapshot()["read_errors"] == 1
+    assert tier.find(tokens, comp).result(5)[0] == 70
+    tier.close()
 
 
 def test_tier_failing_store_and_pending_cap():

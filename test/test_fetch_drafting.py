@@ -117,10 +117,191 @@ def test_fetch_drafting_out_of_memory_lets_go_instead_of_stopping_the_scheduler(
     drafter.poll(job.req, fetched=False, hit_tokens=100)
     assert drafter.job is None and "old" not in drafter.queue
     assert owner.stats.totals["draft_out_of_memory"] == 1 and "drafting ahead of a prefix fetch" in caplog.text
-    drafter._run = lambda job: (_ for _ in ()).throw(RuntimeError("a bug"))
-    drafter.job = job
-    with pytest.raises(RuntimeError, match="a bug"):  # other errors are not taken for memory
-        drafter.poll(job.req, fetched=False, hit_tokens=100)
+    assert owner.stats.totals["fetch_draft_errors"] == 0
+
+
+def _drafter(**owner_kw):
+    """A FetchDrafter over a stand-in worker (2 layers, kivi4, no tier) whose prefix cache
+    records the prompts it was asked for."""
+    from types import SimpleNamespace
+
+    from sgl_vericache.config import VeriCacheConfig
+    from sgl_vericache.mem_cache.compress import get_compressor
+    from sgl_vericache.spec.fetch_drafting import FetchDrafter
+    from sgl_vericache.spec.stats import Stats
+
+    comp, asked = get_compressor("kivi4"), []
+
+    def match(tokens, compressor, count=True):
+        asked.append(list(tokens))
+        return 0, None  # no entry: the job is not started, after the checks
+
+    owner = SimpleNamespace(store=SimpleNamespace(compressor=comp, num_layers=2), stats=Stats(False),
+                            vc=VeriCacheConfig(), tier=None, attach_tier=lambda: None, weights_changed=lambda: None,
+                            plan=lambda req: SimpleNamespace(error=None, compressor=comp),
+                            prefix_cache=SimpleNamespace(match=match), **owner_kw)
+    return FetchDrafter(owner), asked
+
+
+def _waiting(rid, ids, **kw):
+    """A stand-in for SGLang's Req of a greedy request waiting for its prefix."""
+    from types import SimpleNamespace
+
+    params = SimpleNamespace(top_k=1, max_new_tokens=16, min_new_tokens=0)
+    fields = dict(rid=rid, origin_input_ids=ids, output_ids=[], sampling_params=params, grammar=None, to_finish=None,
+                  multimodal_inputs=None, input_embeds=None, finished=lambda: False)
+    return SimpleNamespace(**{**fields, **kw})
+
+
+def _seeded(drafter, tokens=40):
+    """Give the drafter's own store an entry (as a job's seed does); its bytes."""
+    import torch
+
+    comp = drafter.owner.store.compressor
+    layers = [comp.compress(torch.randn(tokens, 2, 16), torch.randn(tokens, 2, 16)) for _ in range(2)]
+    drafter.store.seed(("fetch-draft", "x"), comp, layers, tokens)
+    return drafter.store.nbytes()
+
+
+def test_fetch_drafting_skips_multimodal_and_input_embeds_requests():
+    """Their prompt ids are placeholders (a multimodal request's media: hash ids from
+    1,000,000 up; input_embeds: [1] * len): teacher-forced, they read past the embedding
+    table (IndexError on CPU, out of bounds on CUDA) inside the scheduler's prefetch check.
+    No job starts for them; a text request gets as far as the prefix lookup."""
+    from types import SimpleNamespace
+
+    from sgl_vericache.spec.fetch_drafting import placeholder_prompt
+
+    drafter, asked = _drafter()
+    pad = 1_000_000 + (1 << 40)  # SGLang's MM_PAD_SHIFT_VALUE + a hash of the image
+    image = _waiting("mm", [5, 6] + [pad] * 8 + [7, 8], multimodal_inputs=SimpleNamespace(mm_items=[]))
+    embeds = _waiting("emb", [1] * 12, input_embeds=[[0.0] * 4] * 12)
+    for req in (image, embeds):
+        assert placeholder_prompt(req)
+        drafter.poll(req, fetched=False, hit_tokens=100)
+        assert drafter.job is None and req.rid in drafter._passed
+    assert asked == []  # never looked up, never planned past the check
+    text = _waiting("text", [5, 6, 7, 8])
+    assert not placeholder_prompt(text)
+    drafter.poll(text, fetched=False, hit_tokens=100)
+    assert asked == [[5, 6, 7]] and drafter.job is None  # no entry to draft from: passed as before
+    assert drafter.owner.stats.totals["fetch_draft_errors"] == 0
+
+
+def test_an_error_in_one_fetch_draft_job_drops_that_job_only(caplog):
+    """Fetch drafting is optional: an error it did not foresee (here the embedding's
+    IndexError) drops that job (entry and draft buffers freed, nothing queued, never
+    restarted), counts, logs a warning once, and poll returns; other requests' queued drafts
+    stay, and the request goes on to be admitted as without fetch drafting."""
+    import logging
+
+    from sgl_vericache.spec.fetch_drafting import FetchJob
+
+    drafter, asked = _drafter()
+    drafter.queue.put("other", [1, 2, 3])
+    req = _waiting("r", [5, 6, 7, 8])
+    drafter.job = FetchJob(req, drafter.owner.store.compressor, [5, 6, 7, 8], 8, None)
+    assert _seeded(drafter) > 0
+
+    def run(job):
+        raise IndexError("index out of range in self")
+
+    drafter._run = run
+    with caplog.at_level(logging.WARNING):
+        drafter.poll(req, fetched=False, hit_tokens=100)
+    assert drafter.job is None and drafter.store.nbytes() == 0 and "r" not in drafter.queue
+    assert "other" in drafter.queue and "r" in drafter._passed
+    assert drafter.owner.stats.totals["fetch_draft_errors"] == 1
+    assert "IndexError: index out of range in self" in caplog.text
+    drafter.poll(req, fetched=False, hit_tokens=100)  # not started again
+    assert drafter.job is None and asked == []
+    drafter.poll(req, fetched=True, hit_tokens=100)  # its prefetch done: admitted as usual, no drafts
+    assert "r" not in drafter.queue
+    # an error while starting a job is that request's; the second error is not logged again
+    drafter.owner.plan = lambda r: (_ for _ in ()).throw(KeyError("plan"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        drafter.poll(_waiting("s", [5, 6, 7, 8]), fetched=False, hit_tokens=100)
+    assert "s" in drafter._passed and drafter.owner.stats.totals["fetch_draft_errors"] == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_error_finishing_a_stale_job_is_that_jobs_not_the_polled_requests():
+    from sgl_vericache.spec.fetch_drafting import FetchJob
+
+    drafter, _ = _drafter()
+    stale = _waiting("a", [5, 6, 7, 8])
+    drafter.job = FetchJob(stale, drafter.owner.store.compressor, [5, 6, 7, 8], 8, None)
+    drafter.job.drafts, drafter.job.polled = [9, 9], 0.0  # not polled for long: finished when another is
+
+    def put(rid, tokens):
+        raise RuntimeError("a bug queueing drafts")
+
+    drafter.queue.put = put
+    drafter.poll(_waiting("b", [5, 6, 7, 8]), fetched=False, hit_tokens=100)
+    assert drafter.job is None and "a" in drafter._passed and "b" not in drafter._passed
+
+
+def test_a_tier_read_that_raised_through_its_future_is_a_miss():
+    """The tier's reader thread contains its own errors; should a Future still carry one
+    (a bug), collecting it on the scheduler thread (``FetchJob.arrived``) is a miss: the job
+    drafts from its fallback, or ends as one with nothing to draft from, and drafts made
+    before a late read are still queued."""
+    from concurrent.futures import Future
+
+    from sgl_vericache.spec.fetch_drafting import FetchJob
+
+    drafter, _ = _drafter()
+
+    def failed():
+        f = Future()
+        f.set_exception(TypeError("KeptTokensLayer.__init__() got an unexpected keyword argument 'sink_count'"))
+        return f
+
+    req = _waiting("r", [5, 6, 7, 8])
+    job = drafter.job = FetchJob(req, drafter.owner.store.compressor, [5, 6, 7, 8], 8, None)
+    job.entry, job.entry_len = failed(), 3
+    drafter.poll(req, fetched=False, hit_tokens=100)  # no fallback: nothing to draft from
+    assert drafter.job is None and "r" in drafter._passed
+    job = drafter.job = FetchJob(req, drafter.owner.store.compressor, [5, 6, 7, 8], 8, None)
+    job.entry, job.drafts = failed(), [9, 10]
+    drafter.poll(req, fetched=True, hit_tokens=100)  # the read came too late, and raised
+    assert drafter.job is None and drafter.queue.take("r", [], 2) == [9, 10]
+    assert drafter.owner.stats.totals["fetch_draft_errors"] == 2
+
+
+def test_an_aborted_waiting_request_lets_go_of_its_job_at_once():
+    """SGLang's abort of a waiting request (``_release_aborted_request``) frees its job's
+    entry and draft buffers now: the request is never polled again, and the job would
+    otherwise wait for another waiting request's poll."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from sgl_vericache.sglang.runtime import Runtime
+    from sgl_vericache.sglang.scheduler import install_fetch_drafting
+    from sgl_vericache.spec.fetch_drafting import FetchJob
+
+    drafter, _ = _drafter()
+    req = _waiting("r", [5, 6, 7, 8], release_mm_inputs_on_abort=lambda: None, cache_request_handle=None,
+                   session=None)
+    drafter.job = FetchJob(req, drafter.owner.store.compressor, [5, 6, 7, 8], 8, None)
+    assert _seeded(drafter) > 0
+    drafter.queue.put("other", [1])
+    drafter.forget("other-rid")  # not its job: kept
+    assert drafter.job is not None and "other" in drafter.queue
+
+    class Worker:  # the runtime keeps workers in a WeakSet
+        speculator = SimpleNamespace(fetch_drafter=drafter)
+
+    runtime, worker, finished = Runtime(), Worker(), []
+    runtime.workers.add(worker)
+    runtime.prefetching["r"] = req
+    install_fetch_drafting(runtime)
+    scheduler = SimpleNamespace(tree_cache=SimpleNamespace(finish=lambda *a: finished.append(a)))
+    Scheduler._release_aborted_request(scheduler, req)
+    assert finished and "r" not in runtime.prefetching  # SGLang's own release ran too
+    assert drafter.job is None and drafter.store.nbytes() == 0 and "other" in drafter.queue
 
 
 def test_throttled_store_reads_at_its_bandwidth(tmp_path):

@@ -10,11 +10,16 @@ smaller than the full KV, so it arrives first -- and drafts from it meanwhile: t
 remote prefix reuse. Until the write finished the stub keeps the entry itself, and a read
 then needs no I/O.
 
-Encoding: a fixed magic, a JSON header (the layer classes, their scalar fields, each
-tensor's dtype, shape and byte range), the tensors' raw bytes, and a BLAKE2b digest over
-the entry's compressor key, its token ids, the header and the bytes. No pickle: a stored entry is data, never
-code. A read whose digest does not match (corrupt bytes, a short read, another prefix's
-entry under a colliding key) is a miss, counted, never an entry.
+Encoding: a magic naming the format version (``FORMAT_VERSION``), a JSON header (the layer
+classes, their fields: scalars, each tensor's dtype, shape and byte range), the tensors'
+raw bytes, and a BLAKE2b digest over the format, the entry's compressor key, its token ids,
+the header and the bytes. No pickle: a stored entry is data, never code. A read whose
+digest does not match (corrupt bytes, a short read, another prefix's entry under a
+colliding key) is a miss, counted, never an entry. A shared or persistent store also holds
+other builds' entries: one of another format version, or whose layers have other fields
+than this build's classes, is a miss that is not decoded, and index records are named per
+format version, so another version's entries are not even read. Any other error decoding
+an entry is a miss as well: nothing a store holds reaches the scheduler as an exception.
 
 Entries outlive the process that wrote them: next to each entry of at least
 ``INDEX_ANCHOR`` tokens the tier writes a small index record, named by the compressor key and
@@ -48,13 +53,24 @@ from sgl_vericache.mem_cache.compress import CompressedLayer
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"VCE1"
+# The entry format: bump it whenever the encoding or a stored layer class's fields (their
+# names or meaning) change, so that builds sharing a store never decode each other's entries.
+# 1: entries written before the version was part of the digest and the index names.
+FORMAT_VERSION = 2
+MAGIC = b"VCE" + str(FORMAT_VERSION).encode()
+_MAGIC_FAMILY = b"VCE"  # every format version's magic starts so
 _DIGEST = 16
 _PREFIX = struct.Struct("<4sI")  # magic, header length
+assert len(MAGIC) == 4
 
 
 class CorruptEntryError(ValueError):
     """Stored bytes that are not a valid entry for the prefix asked for."""
+
+
+class OtherFormatError(CorruptEntryError):
+    """An entry written in another format (another version, or layer fields this build's
+    classes do not have): another build's, never decoded."""
 
 
 class BlobStore(Protocol):
@@ -94,6 +110,13 @@ def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}q", *tokens)
 
 
+def _entry_digest(key: str, tokens: Sequence[int], body) -> bytes:
+    """The format version, compressor key, token ids and header + bytes, in one digest: an
+    entry of another version is also named differently (``storage_key``)."""
+    return hashlib.blake2b(MAGIC + key.encode() + b"\0" + _tokens_bytes(tokens) + bytes(body),
+                           digest_size=_DIGEST).digest()
+
+
 def encode_entry(tokens: Sequence[int], layers: Sequence[CompressedLayer], key: str = "") -> bytes:
     """The bytes a storage tier holds for the entry of ``tokens`` (one layer per model
     layer) made by the compressor ``key`` names (``repr`` of the cache's key)."""
@@ -119,55 +142,77 @@ def encode_entry(tokens: Sequence[int], layers: Sequence[CompressedLayer], key: 
         described.append({"class": _class_name(type(layer)), "fields": fields})
     header = json.dumps({"num_tokens": len(tokens), "layers": described}, separators=(",", ":")).encode()
     body = header + b"".join(blobs)
-    digest = hashlib.blake2b(key.encode() + b"\0" + _tokens_bytes(tokens) + body, digest_size=_DIGEST).digest()
-    return _PREFIX.pack(MAGIC, len(header)) + digest + body
+    return _PREFIX.pack(MAGIC, len(header)) + _entry_digest(key, tokens, body) + body
 
 
 def decode_entry(data: bytes, tokens: Sequence[int], key: str = "") -> tuple[CompressedLayer, ...]:
     """The layers ``encode_entry(tokens, layers, key)`` wrote, on the CPU;
     ``CorruptEntryError`` for anything else (other tokens or compressor, flipped or missing
-    bytes, an unknown layer class)."""
+    bytes, a header that does not describe layers), ``OtherFormatError`` before any
+    decoding for an entry of another format (version, layer class or fields)."""
+    header, blob = _verified(data, tokens, key)
+    classes = _layer_classes()
+    try:
+        described = [(_layer_class(d, classes), d["fields"]) for d in header["layers"]]
+        layers = tuple(cls(**{name: _field(spec, blob) for name, spec in fields.items()}) for cls, fields in described)
+    except CorruptEntryError:
+        raise
+    except Exception as e:  # a digest-valid header this code cannot build layers from
+        raise CorruptEntryError(f"undecodable entry: {type(e).__name__}: {e}") from e
+    if any(layer.num_tokens != len(tokens) for layer in layers):
+        raise CorruptEntryError(f"layers do not represent {len(tokens)} tokens")
+    return layers
+
+
+def _verified(data, tokens: Sequence[int], key: str):
+    """(header, tensor bytes) of an entry of this format whose digest matches."""
     start = _PREFIX.size + _DIGEST
     if data is None or len(data) < start:
         raise CorruptEntryError(f"{0 if data is None else len(data)} bytes: shorter than an entry's header")
     magic, header_len = _PREFIX.unpack_from(data)
     if magic != MAGIC:
-        raise CorruptEntryError(f"magic {magic!r}, expected {MAGIC!r}")
+        error = OtherFormatError if magic.startswith(_MAGIC_FAMILY) else CorruptEntryError
+        raise error(f"magic {magic!r}, this build reads {MAGIC!r} (format version {FORMAT_VERSION})")
     body = memoryview(data)[start:]
-    digest = hashlib.blake2b(key.encode() + b"\0" + _tokens_bytes(tokens) + bytes(body), digest_size=_DIGEST).digest()
-    if digest != data[_PREFIX.size:start]:
+    if _entry_digest(key, tokens, body) != data[_PREFIX.size:start]:
         raise CorruptEntryError(f"digest mismatch for a {len(tokens)}-token prefix of {key or 'no key'} "
                                 f"({len(data)} bytes)")
     try:
         header = json.loads(bytes(body[:header_len]))
     except ValueError as e:
         raise CorruptEntryError(f"unreadable header: {e}") from None
-    blob = body[header_len:]
-    classes = _layer_classes()
-    layers = []
-    for described in header["layers"]:
-        cls = classes.get(described["class"])
-        if cls is None:
-            raise CorruptEntryError(f"unknown layer class {described['class']!r}")
-        kwargs = {}
-        for name, spec in described["fields"].items():
-            if "tensor" in spec:
-                dtype, shape = _dtype(spec["tensor"]), spec["shape"]
-                raw = blob[spec["at"] : spec["at"] + spec["n"]]
-                t = torch.empty(shape, dtype=dtype)
-                if len(raw) != t.numel() * t.element_size():
-                    raise CorruptEntryError(f"{described['class']}.{name}: {len(raw)} bytes for {shape} {dtype}")
-                if len(raw):
-                    t.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-                kwargs[name] = t
-            elif "dtype" in spec:
-                kwargs[name] = _dtype(spec["dtype"])
-            else:
-                kwargs[name] = spec["value"]
-        layers.append(cls(**kwargs))
-    if any(layer.num_tokens != len(tokens) for layer in layers):
-        raise CorruptEntryError(f"layers do not represent {len(tokens)} tokens")
-    return tuple(layers)
+    if not isinstance(header, dict) or not isinstance(header.get("layers"), list):
+        raise CorruptEntryError("the header describes no layers")
+    return header, body[header_len:]
+
+
+def _layer_class(described: dict, classes: dict) -> type:
+    """The class of a described layer, if this build's has exactly the fields it names."""
+    name, fields = described["class"], described["fields"]
+    cls = classes.get(name)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        raise OtherFormatError(f"unknown layer class {name!r}")
+    own = {f.name for f in dataclasses.fields(cls)}
+    if set(fields) != own:
+        raise OtherFormatError(f"{name} stored with fields {sorted(set(fields) - own)} this build lacks and "
+                               f"without {sorted(own - set(fields))}")
+    return cls
+
+
+def _field(spec: dict, blob):
+    """One stored field's value: a CPU tensor from its byte range, a dtype or a scalar."""
+    if "tensor" in spec:
+        dtype, shape = _dtype(spec["tensor"]), spec["shape"]
+        raw = blob[spec["at"] : spec["at"] + spec["n"]]
+        t = torch.empty(shape, dtype=dtype)
+        if len(raw) != t.numel() * t.element_size():
+            raise CorruptEntryError(f"{len(raw)} bytes for a {shape} {dtype} field")
+        if len(raw):
+            t.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        return t
+    if "dtype" in spec:
+        return _dtype(spec["dtype"])
+    return spec["value"]
 
 
 def move_entry(layers: Sequence[CompressedLayer], device) -> tuple[CompressedLayer, ...]:
@@ -194,8 +239,9 @@ MAX_INDEX_PROBES = 9  # anchors ``find`` tries per lookup, longest first (9: 512
 
 def index_key(key: str, tokens: Sequence[int]) -> str:
     """The name of the index record for entries of compressor ``key`` (its repr) whose
-    first ``len(tokens)`` tokens (a multiple of ``INDEX_ANCHOR``) are ``tokens``."""
-    digest = hashlib.blake2b(key.encode() + b"\0" + _tokens_bytes(tokens), digest_size=_DIGEST).hexdigest()
+    first ``len(tokens)`` tokens (a multiple of ``INDEX_ANCHOR``) are ``tokens``, in this
+    format version (``find`` never reads another version's entries)."""
+    digest = hashlib.blake2b(MAGIC + key.encode() + b"\0" + _tokens_bytes(tokens), digest_size=_DIGEST).hexdigest()
     return "vericache-i-" + digest
 
 
@@ -310,13 +356,25 @@ class CompressedTier:
         self._pending_bytes = 0
         self.counters = dict.fromkeys(
             ("spilled_entries", "spilled_bytes", "spill_failures", "spills_dropped", "fetches", "fetched_bytes",
-             "fetch_seconds", "fetch_misses", "fetch_corrupt", "fetches_from_memory", "index_records",
-             "index_failures", "index_lookups", "index_probes", "index_hits", "index_skipped"), 0)
+             "fetch_seconds", "fetch_misses", "fetch_corrupt", "fetch_other_format", "fetches_from_memory",
+             "index_records", "index_failures", "index_lookups", "index_probes", "index_hits", "index_skipped",
+             "read_errors"), 0)
         self.read_speed = Throughput()  # of reads (store get + decode), for ``worth_reading``
+        self._logged = set()  # the kinds of failed read logged at warning level (once each)
 
     def _count(self, name: str, n=1) -> None:
         with self._lock:
             self.counters[name] += n
+
+    def _failed(self, counter: str, what: str, error: Exception) -> None:
+        """A read that failed (a miss): counted; logged at warning level the first time per
+        kind (a store full of another build's entries must not flood the log), then at debug."""
+        with self._lock:
+            self.counters[counter] += 1
+            first = counter not in self._logged
+            self._logged.add(counter)
+        logger.log(logging.WARNING if first else logging.DEBUG, "VeriCache: %s (%s: %s); treated as a miss%s", what,
+                   type(error).__name__, error, ", later ones are logged at debug level" if first else "")
 
     def snapshot(self) -> dict:
         """The counters, consistent with one another (the threads update them under a lock)."""
@@ -385,7 +443,7 @@ class CompressedTier:
             done = Future()
             done.set_result(None)
             return done
-        return self._reader.submit(self._read, tuple(tokens), stub)
+        return self._reader.submit(self._contained, self._read, tuple(tokens), stub)
 
     def find(self, tokens: Sequence[int], key: Hashable, longer_than: int = 0,
              accept=None) -> "Future[Optional[tuple[int, tuple]]]":
@@ -394,7 +452,16 @@ class CompressedTier:
         any other on the same store), read back on the reader thread: (its length, its
         layers on the CPU), or None. ``accept(num_tokens, nbytes)``, asked before the entry
         itself is read, can turn it down (it is then not read; counted as skipped)."""
-        return self._reader.submit(self._find, tuple(tokens), repr(key), longer_than, accept)
+        return self._reader.submit(self._contained, self._find, tuple(tokens), repr(key), longer_than, accept)
+
+    def _contained(self, read, *args):
+        """What the reader thread runs: an error there (a bug, an ``accept`` that raised) is a
+        miss, so the Future the scheduler thread collects never carries an exception."""
+        try:
+            return read(*args)
+        except Exception as e:
+            self._failed("read_errors", "reading a compressed entry from the storage tier failed", e)
+            return None
 
     def _find(self, tokens: tuple, name: str, longer_than: int, accept) -> Optional[tuple[int, tuple]]:
         self._count("index_lookups")
@@ -432,10 +499,12 @@ class CompressedTier:
             return None
         try:
             layers = decode_entry(data, tokens, stub.key)
-        except CorruptEntryError as e:
-            logger.warning("VeriCache: a compressed entry read from the storage tier is corrupt (%s); "
-                           "treated as a miss", e)
-            self._count("fetch_corrupt")
+        except OtherFormatError as e:
+            self._failed("fetch_other_format", "a compressed entry in the storage tier is of another format "
+                         "(another build's), not decoded", e)
+            return None
+        except Exception as e:  # corrupt, or any error decoding it: never the scheduler's
+            self._failed("fetch_corrupt", "a compressed entry read from the storage tier is corrupt", e)
             return None
         seconds = time.perf_counter() - t0
         with self._lock:

@@ -8,7 +8,8 @@ update_spec_correct_drafts_histogram`` / ``update_finish_state``, ``SchedulerOut
 stream_output``, ``SchedulerMetricsReporter.update_spec_metrics``, ``GenerationBatchResult.
 get_num_generated_tokens`` (a deferred row: no token, no verify), ``schedule_batch.release_req``
 (preemption), ``Scheduler._prefetch_kvcache`` and ``UnifiedRadixCache.check_prefetch_progress``
-(the poll of a request waiting for its storage prefetch), ``SchedulerInternalStateController.
+(the poll of a request waiting for its storage prefetch), ``Scheduler._release_aborted_request``
+(a waiting request aborted: its drafting ahead let go of), ``SchedulerInternalStateController.
 _add_speculative`` (``/server_info``), ``kv_cache_configurator.get_req_to_token_extra_context_len``
 (the rows' headroom), ``KVCacheConfigurator._profile_available_bytes`` (the pool's budget),
 ``Session._concat_token_arrays`` (a session's next prompt).
@@ -226,7 +227,9 @@ def install_keep_preempted_kv(runtime: Runtime) -> None:
 def install_fetch_drafting(runtime: Runtime) -> None:
     """The scheduler's poll of a request waiting for its storage prefetch
     (``check_prefetch_progress``) lets this process's VeriCache worker draft for it; the
-    waiting ``Req`` is found by rid from SGLang's ``_prefetch_kvcache``, which starts it."""
+    waiting ``Req`` is found by rid from SGLang's ``_prefetch_kvcache``, which starts it.
+    An aborted request is never polled again: ``_release_aborted_request`` (SGLang's abort
+    of a waiting request goes through it) lets go of its drafting at once."""
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -265,8 +268,22 @@ def install_fetch_drafting(runtime: Runtime) -> None:
 
         return check_prefetch_progress
 
+    def make_release(release):
+        def _release_aborted_request(self, req, *args, **kwargs):
+            result = release(self, req, *args, **kwargs)
+            rt = _release_aborted_request.runtime
+            rt.prefetching.pop(req.rid, None)
+            for worker in list(rt.workers):
+                drafter = worker.speculator.fetch_drafter
+                if drafter is not None:
+                    drafter.forget(req.rid)  # its seeded entry and draft buffers, now
+            return result
+
+        return _release_aborted_request
+
     patch(UnifiedRadixCache, "check_prefetch_progress", runtime, make_check)
     patch(Scheduler, "_prefetch_kvcache", runtime, make_prefetch)
+    patch(Scheduler, "_release_aborted_request", runtime, make_release)
 
 
 def install_internal_state(runtime: Runtime) -> None:

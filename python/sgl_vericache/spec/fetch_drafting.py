@@ -15,12 +15,18 @@ that store's round buffer only), then it drafts freely, up to
 queued (``DraftQueue``) and the request is admitted as usual: SGLang prefills the rest of
 its prompt over the fetched full KV, and its first decode rounds verify the queued drafts
 instead of drafting. Greedy requests only (a sampled round needs the draft distributions
-of its own draws); one waiting request at a time. Drafts are verify candidates only:
-output never changes.
+of its own draws), and only requests whose prompt ids are the model's tokens (not
+multimodal or ``input_embeds`` requests: ``placeholder_prompt``); one waiting request at a
+time. Drafts are verify candidates only: output never changes.
+
+Drafting ahead is optional, and it runs inside SGLang's scheduler loop: any error in one
+request's job (out of device memory, a bug, a tier read that raised) is contained in
+``poll``; the request is then admitted and served as without fetch drafting.
 
 The request objects are SGLang's (``rid``, ``origin_input_ids``, ``output_ids``,
-``sampling_params``, ``grammar``, ``to_finish``, ``finished()`` are read); forward passes
-go through the owner's ``seam.passes`` (``DraftPasses``).
+``sampling_params``, ``grammar``, ``to_finish``, ``finished()``, ``multimodal_inputs``,
+``input_embeds`` are read); forward passes go through the owner's ``seam.passes``
+(``DraftPasses``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ from sgl_vericache.spec.drafter import CompressedKVStore, selects_per_step
 from sgl_vericache.spec.plan import one_token_at_a_time
 
 logger = logging.getLogger(__name__)
+
+
+def placeholder_prompt(req) -> bool:
+    """Whether ``req.origin_input_ids`` hold placeholders, not the model's tokens: SGLang pads
+    a multimodal request's media with hash ids from 1,000,000 up (``MM_PAD_SHIFT_VALUE``)
+    and gives an ``input_embeds`` request ``[1] * len`` ids. Teacher-forced through a draft
+    pass (a DECODE batch: no multimodal merge), they index past the embedding table (an
+    IndexError on CPU, an out-of-bounds read on CUDA), and a placeholder is not the token
+    the prompt holds there anyway."""
+    return getattr(req, "multimodal_inputs", None) is not None or getattr(req, "input_embeds", None) is not None
 
 
 class FetchJob:
@@ -83,6 +99,7 @@ class FetchDrafter:
         self.queue = DraftQueue()
         self.job = None
         self._passed = set()  # rids polled and found unable to draft (no prefix entry, sampled, ...)
+        self._error_logged = False  # an unexpected error is logged in full once, then at debug level
         self.full_speed = Throughput()  # of SGLang's storage prefetches: when a tier entry is worth reading
         self._bytes_per_token = None
 
@@ -111,9 +128,11 @@ class FetchDrafter:
         """The scheduler looked at waiting ``req``; ``fetched``: its prefetch is done;
         ``hit_tokens``: what the storage tier said it holds of the prefix (0 until its
         existence query answered: a request whose prefix is not there is not drafted for).
-        Drafting ahead is an extra: out of device memory (its entry moved to the device, its
-        draft passes), it lets go of its job, entries and queued drafts, and the scheduler
-        goes on (fetch drafting is off under tensor parallelism, so no rank waits for it)."""
+        Drafting ahead is an extra, so nothing it raises reaches the scheduler: out of device
+        memory (its entry moved to the device, its draft passes), it lets go of its job,
+        entries and queued drafts; any other error drops that one job (``_drop_failed``); the
+        scheduler goes on (fetch drafting is off under tensor parallelism, so no rank waits
+        for it)."""
         try:
             self._poll(req, fetched, hit_tokens)
         except torch.OutOfMemoryError as exc:
@@ -121,6 +140,30 @@ class FetchDrafter:
             self.owner.stats.add("draft_out_of_memory", 1)
             logger.warning("VeriCache: drafting ahead of a prefix fetch ran out of device memory (%s); let go of "
                            "its entries and drafts", str(exc).split("\n")[0][:200])
+        except Exception as exc:
+            self._drop_failed(req, exc)
+
+    def _drop_failed(self, req, exc: Exception) -> None:
+        """Any other error (a bug, a request this code did not foresee) is one job's: that job
+        goes (its seeded entry and draft buffers freed, nothing queued for it) and its request
+        is not drafted for again; SGLang admits and serves it as without fetch drafting. The
+        failing job is still ``self.job`` (``_finish`` lets go of it last); none: it failed
+        while starting ``req``'s."""
+        job, self.job = self.job, None
+        self.store.clear()
+        rid = req.rid if job is None else job.req.rid
+        self.queue.drop(rid)
+        self._pass(rid)
+        self._error("drafting ahead of its prefix fetch failed; dropped that job", rid, exc)
+
+    def _error(self, what: str, rid, exc: Exception) -> None:
+        """Count a contained error; log it in full the first time (a bug to report), then at
+        debug level only (a request pattern that hits it must not flood the log)."""
+        self.owner.stats.add("fetch_draft_errors", 1)
+        first, self._error_logged = not self._error_logged, True
+        logger.log(logging.WARNING if first else logging.DEBUG, "VeriCache: request %s: %s (%s: %s)%s", rid, what,
+                   type(exc).__name__, exc, "; later ones are logged at debug level" if first else "",
+                   exc_info=exc if first else None)
 
     def _poll(self, req, fetched: bool, hit_tokens: int) -> None:
         if fetched:
@@ -140,16 +183,20 @@ class FetchDrafter:
             self.owner.attach_tier()  # a new engine's first request may come before its first forward
             job = self.job = self._start(req, hit_tokens)
             if job is None:
-                self._passed.add(req.rid)
-                if len(self._passed) > 4096:
-                    self._passed.clear()
+                self._pass(req.rid)
                 return
         job.polled = time.monotonic()
         self._run(job)
 
+    def _pass(self, rid) -> None:
+        """``rid`` is not drafted for (again) while it waits."""
+        self._passed.add(rid)
+        if len(self._passed) > 4096:
+            self._passed.clear()
+
     def _start(self, req, hit_tokens: int):
         w = self.owner
-        if (req.finished() or req.grammar is not None or req.sampling_params.top_k != 1
+        if (placeholder_prompt(req) or req.finished() or req.grammar is not None or req.sampling_params.top_k != 1
                 or one_token_at_a_time(req)):  # penalized: its rounds would not take them
             return None
         plan = w.plan(req)
@@ -219,13 +266,13 @@ class FetchDrafter:
             return True
         if not job.entry.done():
             return False
-        found, job.entry = job.arrived(), None
+        found, job.entry = self._arrived(job), None
         w = self.owner
         if found is not None and len(found[1]) != w.store.num_layers:
             found = None  # another model's entry (its key should have said so): never seed from it
         if found is None:  # gone from the tier, not that entry, or not worth reading
             if job.fallback is None:  # nothing to draft from
-                self._passed.add(job.req.rid)
+                self._pass(job.req.rid)
                 self.job = None
                 return False
             n, layers = job.fallback
@@ -237,6 +284,16 @@ class FetchDrafter:
         job.place(n, w.seam.passes)
         self._seed(job, layers)
         return True
+
+    def _arrived(self, job):
+        """``job.arrived()``; an error the tier's read carried in its Future (its reader
+        thread contains its own, so a bug) is a miss: the job drafts from its fallback."""
+        try:
+            return job.arrived()
+        except Exception as exc:
+            self._error("reading its compressed entry back from the storage tier failed; taken as a miss",
+                        job.req.rid, exc)
+            return None
 
     def _run(self, job) -> None:
         if not self._entry_arrived(job):
@@ -265,16 +322,30 @@ class FetchDrafter:
         w.stats.add("fetch_draft_seconds", time.perf_counter() - t0)
 
     def _finish(self) -> None:
-        job, self.job = self.job, None
+        """Queue the current job's drafts and let go of it (last, so that an error on the way
+        is still that job's: ``_drop_failed``)."""
+        job = self.job
         self.store.clear()
         w = self.owner
-        found = job.arrived() if job.entry is not None and job.entry.done() else None
+        found = self._arrived(job) if job.entry is not None and job.entry.done() else None
         if found is not None and len(found[1]) == w.store.num_layers:
             # read back too late to draft from, still worth keeping: the prefix is in use
             w.prefix_cache.insert(job.tokens[: found[0]], job.compressor, move_entry(found[1], w.seam.device))
         if job.drafts and not job.req.finished():
             self.queue.put(job.req.rid, job.drafts)
             w.stats.add("fetch_draft_tokens", len(job.drafts))
+        self.job = None
+
+    def forget(self, rid) -> None:
+        """SGLang aborted waiting request ``rid``: its job (seeded entry, draft buffers) goes
+        now, not when another waiting request is next polled (an aborted request is never
+        polled again), and so do its queued drafts. A read of its entry still in flight
+        finishes on the reader thread and is dropped."""
+        if self.job is not None and self.job.req.rid == rid:
+            self.job = None
+            self.store.clear()
+        self.queue.drop(rid)
+        self._passed.discard(rid)
 
     def clear(self) -> None:
         self.job = None

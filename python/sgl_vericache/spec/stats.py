@@ -51,6 +51,8 @@ class Stats:
         "fetch_draft_tokens": "Drafts made while waiting and queued for the request's first rounds",
         "fetch_draft_rounds": "Verify rounds whose drafts were made while the request waited for its prefix",
         "fetch_draft_accepted": "Queued drafts (made while waiting) accepted by verify",
+        "fetch_draft_errors": "Unexpected errors contained in drafting ahead of a prefix fetch: the request's job was "
+                              "dropped (served as without fetch drafting), or its tier entry taken as a miss",
         "compressed_prefix_lookups": "New requests looked up in the compressed prefix cache",
         "compressed_prefix_hits": "New requests that started from a cached compressed prefix entry",
         "compressed_prefix_hit_tokens": "Verified tokens whose compressed KV came from the prefix cache",
@@ -78,8 +80,11 @@ class Stats:
         "compressed_tier_fetched_bytes": "Bytes read back",
         "compressed_tier_fetch_seconds": "Seconds those reads took (on the tier's reader thread)",
         "compressed_tier_fetch_misses": "Reads the tier had no entry for (evicted there)",
-        "compressed_tier_fetch_corrupt": "Reads whose bytes failed the entry's digest (a miss)",
+        "compressed_tier_fetch_corrupt": "Reads whose bytes failed the entry's digest or could not be decoded (a miss)",
+        "compressed_tier_fetch_other_format": "Reads of an entry in another format (another entry format version, or "
+                                              "layer fields this build does not have): a miss, not decoded",
         "compressed_tier_fetches_from_memory": "Reads answered before the entry's write had finished (no I/O)",
+        "compressed_tier_read_errors": "Reads or index lookups that raised on the tier's reader thread (a bug; a miss)",
         "plain_iterations": "Decode iterations the adaptive controller ran as plain decoding (no drafts, one token "
                             "per request)",
         "spec_iterations": "Decode iterations that ran a VeriCache round",
