@@ -73,7 +73,7 @@ class _Seam:
 
         pool = torch.zeros(LAYERS, 2, 8 * 600, H_KV, D)
         req_to_token = torch.arange(4 * 600, dtype=torch.int32).reshape(4, 600)
-        free = list(range(4 * 600, 8 * 600))
+        free = self.free = list(range(4 * 600, 8 * 600))  # a test may hold it at the reserved slots
 
         def alloc(n):
             if len(free) < n:
@@ -176,7 +176,10 @@ def test_paused_with_parked_full_kv_rounds_verify_their_roots_alone():
         spec.close_round()
     assert spec.stats.totals.get("plain_iterations", 0) == plain_before
     again = _round(spec, reqs)
-    assert again.width == 5 and list(again.tokens.reshape(2, 5)[0]) == [7, 5, 5, 5, 5] and len(spec.store) == 2
+    assert again.width == 5 and list(again.tokens.reshape(2, 5)[0]) == [7, 5, 5, 5, 5]
+    # "b", still parked and not verifying, drafts nothing: its entry waits for a round it verifies
+    # in (before, it was built from the slots parking had freed)
+    assert list(spec.store._entries) == ["a"]
 
 
 def test_a_sampled_round_out_of_memory_still_accepts_by_sampling():
@@ -372,6 +375,7 @@ def test_a_parked_requests_entry_is_rebuilt_from_its_loaded_kv():
     spec.close_round()
     assert spec.parking.is_parked("b") and not [r for r in reads if r[0] == 1]  # its entry was current
     spec.store.release("b")  # as after running out of memory
+    spec.waited["b"] = 5  # it verifies in this round (one that does not draft leaves its entry be)
     _round(spec, reqs)
     assert reads and all(not parked for row, parked in reads if row == 1), reads
     assert spec.stats.totals["full_kv_loads_for_rebuild"] == 1
@@ -483,6 +487,40 @@ def test_an_error_compressing_one_requests_kv_ends_that_request_alone():
     assert spec.lens == [4, 0] and list(out.tokens.reshape(2, 5)[1]) == [7, 7, 7, 7, 7]
     assert "a" in spec.store and "b" not in spec.store and spec.stats.totals["sync_errors"] == 1
     spec.close_round()
+
+
+def test_entries_let_go_are_rebuilt_in_the_round_their_parked_request_verifies():
+    """After drafting ran out of memory every entry is gone. A parked request that does not
+    verify drafts nothing, so its entry waits for the round it verifies in: loading every
+    parked request to rebuild its entry at once took more slots than parked requests hold
+    reserved (one round's loads), and under memory pressure raised ParkingError."""
+    seam = _Seam()
+    spec = _speculator(seam, full_device_budget=0)
+    reqs = [_req("a", 300), _req("b", 200), _req("c", 250), _req("d", 220)]
+
+    def iteration():
+        width = spec.begin_iteration(reqs, [300, 200, 250, 220], max_width=5)
+        spec.draft_round(_batch(reqs), width)
+        deferred = spec.close_round()
+        spec.count_round(reqs, [1] * 4, deferred, 0.01, 0.0)
+        # memory pressure: SGLang gives everything but the parked requests' reserved slots to
+        # other requests (and retracts some where that is short); free slots = reserved
+        in_use = set(seam.free) | set(spec.parking.req_to_token.flatten().tolist())
+        spare = [slot for slot in range(4 * 600, 8 * 600) if slot not in in_use]
+        seam.free[:] = (seam.free + spare)[:spec.parking.reserved_tokens]
+
+    for _ in range(3):
+        iteration()
+    seam.passes.oom = True
+    iteration()
+    seam.passes.oom = False
+    for _ in range(round_mod.OUT_OF_MEMORY_PAUSE):
+        iteration()
+    assert len(spec.parking.parked) == 3 and len(spec.store) == 0
+    for k in range(4):  # each round rebuilds the one parked request that verifies in it
+        iteration()
+        assert spec.stats.totals["full_kv_loads_for_rebuild"] == min(k + 1, 3)
+    assert len(spec.store) == 4
 
 
 def test_a_finished_requests_rid_sent_again_is_a_new_request():

@@ -42,7 +42,6 @@ import torch
 from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.cpu.linear import weights_generation
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
-from sgl_vericache.mem_cache.full_kv_parking import ParkingError
 from sgl_vericache.spec.drafter import CompressedKVStore
 from sgl_vericache.spec.fetch_drafting import FetchDrafter
 from sgl_vericache.spec.plan import Plan, Planner, one_token_at_a_time, penalized
@@ -399,15 +398,15 @@ class Speculator:
             self.stats.add("context_limited_rounds", 1)  # cut short so no position passes the context
         t_sync = time.perf_counter()
         failed = self.roots_alone  # paused after running out of memory: no entries, no drafts
+        verifying = self._verifying_rows(batch)
         try:
             if not failed:
-                for i in self._sync_store(batch, plans):
+                for i in self._sync_store(batch, plans, verifying):
                     lens[i] = 0  # ended with a 500: its root alone
         except torch.OutOfMemoryError as exc:
             if not self._out_of_memory(exc):
                 raise
             failed = True
-        verifying = self._verifying_rows(batch)
         if self.vc.full_device_budget >= 0:
             self._stage_full_kv(batch, verifying)
         self.setup_seconds, self.layout_seconds = device_clock(self.seam.device) - t_sync, 0.0
@@ -503,20 +502,39 @@ class Speculator:
         if self.tier is not None:
             self.stats.tier(self.tier)
 
-    def _sync_store(self, batch: RoundBatch, plans: list[Plan]) -> list[int]:
+    def _sync_store(self, batch: RoundBatch, plans: list[Plan], verifying: list[bool]) -> list[int]:
         """Bring each drafting request's compressed entry up to its verified tokens (a new
         one's from the prefix cache where it can). Penalized requests never draft: no entry
-        (a request held by min_new_tokens keeps its own, for when it drafts). An error in
-        one request's compression (our bug) ends that request with a 500 and leaves the
-        round to the rest; running out of memory and parking's errors go to the caller.
-        Returns the rows that failed (they draft nothing this round)."""
+        (a request held by min_new_tokens keeps its own, for when it drafts). A parked
+        request that does not verify this round drafts nothing: it is left as it is (its
+        entry, if let go, is built again in the round it verifies in, whose load is within
+        what parked requests hold reserved; loading every such request at once was not).
+        An error in one request's compression (our bug) ends that request with a 500 and
+        leaves the round to the rest (under tensor parallelism it still raises: one rank's
+        error does not tell the others); running out of memory and parking's errors go to
+        the caller. Returns the rows that failed (they draft nothing this round)."""
         failed = []
         for i, req in enumerate(batch.reqs):
+            if penalized(req):  # its prompt queries, captured for a batch-mate's SnapKV / H2O, go unused
+                self.queries.pop(req.rid, None)
+                continue
+            parked = self.parking is not None and self.parking.is_parked(req.rid)
+            if parked and not verifying[i]:
+                continue
+            if parked and self._reads_kv(req, batch.verified[i], plans[i].compressor):
+                # its entry is built again from its KV (let go after running out of memory, or
+                # a new compressor): read where parking freed the slots, it would compress (and
+                # file in the prefix cache) whatever now lies there. Rare: its KV comes back
+                # first (it verifies this round: start_loads would load it anyway).
+                self.parking.load_now(req.rid, batch.pool_rows[i])
+                self.stats.add("full_kv_loads_for_rebuild", 1)
             try:
                 self._sync_one(batch, plans, i)
-            except (torch.OutOfMemoryError, ParkingError):
+            except torch.OutOfMemoryError:
                 raise
             except Exception as exc:
+                if getattr(self.seam, "tp_size", 1) > 1:
+                    raise
                 logger.exception("VeriCache: compressing request %s's KV failed", req.rid)
                 self.store.release(req.rid)
                 self.seam.abort(req, f"VeriCache could not compress this request's KV: {type(exc).__name__}: {exc}",
@@ -527,17 +545,7 @@ class Speculator:
 
     def _sync_one(self, batch: RoundBatch, plans: list[Plan], i: int) -> None:
         req = batch.reqs[i]
-        if penalized(req):  # its prompt queries, captured for a batch-mate's SnapKV / H2O, go unused
-            self.queries.pop(req.rid, None)
-            return
         read_kv = self.seam.read_kv(batch.pool_rows[i])
-        if self.parking is not None and self.parking.is_parked(req.rid) and self._reads_kv(req, batch.verified[i],
-                                                                                          plans[i].compressor):
-            # its entry is built again from its KV (let go after running out of memory, or
-            # a new compressor): read where parking freed the slots, it would compress (and
-            # file in the prefix cache) whatever now lies there. Rare: its KV comes back first.
-            self.parking.load_now(req.rid, batch.pool_rows[i])
-            self.stats.add("full_kv_loads_for_rebuild", 1)
         queries, compressor = None, plans[i].compressor
         if req.rid not in self.store or self._rebuilds(req, batch.verified[i], compressor):
             queries = layer_queries(self.queries.pop(req.rid, None), self.store.num_layers)
