@@ -114,6 +114,29 @@ def test_the_launcher_refuses_disaggregation():
     apply_vericache_flags(VeriCacheConfig(), ["--disaggregation-mode", "null"])
     check_disaggregation("null")
     check_disaggregation(None)
+    # PD multiplexing runs prefills around the VERICACHE worker (its split-prefill path)
+    with _raises(ValueError, "--enable-pdmux: VERICACHE has not run"):
+        apply_vericache_flags(VeriCacheConfig(), ["--enable-pdmux"])
+    with _raises(ValueError, "--enable-pdmux"):
+        check_disaggregation(None, True)
+
+
+def test_the_launcher_refuses_entries_that_skip_the_tokenizer_managers_checks():
+    """Extra tokenizer workers (uvicorn processes that never load plugins) and SGLang's gRPC
+    mode take requests without the tokenizer manager, where the request checks run: the
+    single requests that stop a scheduler (out-of-vocabulary ids, an empty prompt) got through."""
+    from sgl_vericache.sglang.server import check_request_entry
+
+    for argv in (["--tokenizer-worker-num", "4"], ["--tokenizer-worker-num=2"]):
+        with _raises(ValueError, "--tokenizer-worker-num [24]: VeriCache checks requests"):
+            apply_vericache_flags(VeriCacheConfig(), argv)
+    for flag in ("--smg-grpc-mode", "--grpc-mode"):
+        with _raises(ValueError, "gRPC mode's servicer skips"):
+            apply_vericache_flags(VeriCacheConfig(), [flag])
+    apply_vericache_flags(VeriCacheConfig(), ["--tokenizer-worker-num", "1", "--grpc-port", "30001"])
+    check_request_entry(1, False)
+    with _raises(ValueError, "--tokenizer-worker-num 3"):
+        check_request_entry(3, False)
 
 
 def test_the_launcher_keeps_window_layers_kv_in_the_full_pool():
@@ -183,6 +206,15 @@ def test_a_vericache_worker_refuses_dp_attention_and_pipeline_stages():
         with _raises(ValueError, "pipeline parallelism"):
             apply_vericache_flags(VeriCacheConfig(), [flag, "4"])
     apply_vericache_flags(VeriCacheConfig(), ["--tp-size", "8", "--pp-size", "1"])
+    # context parallelism splits a request's KV over ranks (decode: every dcp_size-th token)
+    for argv in (["--dcp-size", "2"], ["--decode-context-parallel-size", "4"], ["--attn-cp-size", "2"]):
+        with _raises(ValueError, "does not support context parallelism"):
+            apply_vericache_flags(VeriCacheConfig(), argv)
+    with _raises(ValueError, "context-parallel prefill"):
+        apply_vericache_flags(VeriCacheConfig(), ["--enable-prefill-cp"])
+    check_parallelism(False, 1, 1, 1, False)
+    with _raises(ValueError, r"\(--dcp-size 2\)"):
+        check_parallelism(False, 1, 2)
 
 
 class _Params:

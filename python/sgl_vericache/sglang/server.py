@@ -32,9 +32,13 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
         raise ValueError(f"--kv-cache-dtype {kv_dtype} stores the full KV quantized, which VeriCache's rounds "
                          f"cannot read (they compress and draft from float KV); use one of {', '.join(KV_CACHE_DTYPES)}, or "
                          "pass --no-vericache-enable")
-    check_parallelism(False, flag_value(argv, "--pp-size") or flag_value(argv, "--pipeline-parallel-size") or 1)
+    check_parallelism(False, flag_value(argv, "--pp-size") or flag_value(argv, "--pipeline-parallel-size") or 1,
+                      flag_value(argv, "--dcp-size") or flag_value(argv, "--decode-context-parallel-size") or 1,
+                      flag_value(argv, "--attn-cp-size") or 1, "--enable-prefill-cp" in argv)
+    check_request_entry(flag_value(argv, "--tokenizer-worker-num") or 1,
+                        "--smg-grpc-mode" in argv or "--grpc-mode" in argv)
+    check_disaggregation(flag_value(argv, "--disaggregation-mode"), "--enable-pdmux" in argv)
     check_routed_experts("--enable-return-routed-experts" in argv)
-    check_disaggregation(flag_value(argv, "--disaggregation-mode"))
     check_grammar_backend(flag_value(argv, "--grammar-backend"))
     extra = []
     if vc.full_device_budget >= 0:
@@ -138,21 +142,53 @@ def check_grammar_backend(backend) -> None:
                          "pass --no-vericache-enable")
 
 
-def check_disaggregation(mode) -> None:
+def check_disaggregation(mode, pdmux: bool = False) -> None:
     """Prefill/decode disaggregation: a decode server receives each prompt's KV from another
     server and never runs its prefill, where SnapKV and H2O capture the prompt queries they
     compress with, and SGLang's decode side hands speculative workers state VERICACHE does
-    not use. Never run with VERICACHE: refused at start rather than served untested."""
+    not use. PD multiplexing (``--enable-pdmux``) runs prefills through the target worker's
+    split-prefill path, around the VERICACHE worker. Never run with VERICACHE: refused at
+    start rather than served untested."""
+    if pdmux:
+        raise ValueError("--enable-pdmux: VERICACHE has not run with PD multiplexing (its prefills bypass the "
+                         "VeriCache worker); serve without it, or pass --no-vericache-enable")
     if mode not in (None, "null"):
         raise ValueError(f"--disaggregation-mode {mode}: VERICACHE has not run with prefill/decode disaggregation; "
                          "serve without it, or pass --no-vericache-enable")
 
 
-def check_parallelism(dp_attention: bool, pp_size) -> None:
+def check_request_entry(tokenizer_workers, grpc_mode: bool) -> None:
+    """VeriCache's request checks (``validation``: token ids in the vocabulary, a non-empty
+    prompt, top logprobs, VeriCache's own ``custom_params``...) run in SGLang's tokenizer
+    manager, where every request arrives. Several tokenizer workers serve HTTP from fresh
+    uvicorn processes that never load plugins, and SGLang's gRPC mode builds requests
+    without a tokenizer manager: both let through the single requests that stop the
+    scheduler. Refused at start."""
+    if int(tokenizer_workers or 1) != 1:
+        raise ValueError(f"--tokenizer-worker-num {tokenizer_workers}: VeriCache checks requests in SGLang's tokenizer "
+                         "manager, which extra tokenizer workers (uvicorn processes that do not load plugins) skip; "
+                         "use --tokenizer-worker-num 1")
+    if grpc_mode:
+        raise ValueError("--smg-grpc-mode / --grpc-mode: VeriCache checks requests in SGLang's tokenizer manager, "
+                         "which the gRPC mode's servicer skips; serve HTTP (the native --grpc-port server is fine)")
+
+
+def check_parallelism(dp_attention: bool, pp_size, dcp_size=1, attn_cp_size=1, prefill_cp: bool = False) -> None:
     """Ranks of a VERICACHE worker must run the same forwards: tensor-parallel ranks do (they
     share one schedule and agree on the planner's step times). Attention data parallelism
     gives each rank its own batch, so rounds would differ in rows and draft steps; pipeline
-    stages would each need the round's drafts. Neither is supported: refused at start."""
+    stages would each need the round's drafts. Context parallelism splits a request's KV
+    over ranks (decode: the tokens of position % dcp_size == rank, at slot // dcp_size),
+    while verify and the compressors read and write every token at its own slot of one
+    pool: wrong KV or out of bounds. None is supported: refused at start."""
+    for name, size in (("--dcp-size", dcp_size), ("--attn-cp-size", attn_cp_size)):
+        if int(size or 1) != 1:
+            raise ValueError(f"--speculative-algorithm VERICACHE does not support context parallelism ({name} "
+                             f"{size}): verify and the compressors read each request's whole KV from one pool; "
+                             f"use {name} 1 with tensor parallelism (--tp-size)")
+    if prefill_cp:
+        raise ValueError("--speculative-algorithm VERICACHE does not support context-parallel prefill "
+                         "(--enable-prefill-cp): it has never run with it; serve without it")
     if dp_attention:
         raise ValueError("--speculative-algorithm VERICACHE does not support DP attention (--enable-dp-attention): "
                          "each rank's own batch would draft its own rounds; use tensor parallelism (--tp-size)")

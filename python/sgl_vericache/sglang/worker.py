@@ -30,6 +30,7 @@ from sgl_vericache.sglang import attention, forward, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
 from sgl_vericache.sglang.server import (check_cuda_graphs, check_kv_cache_dtype, check_kv_pool, check_parallelism,
+                                         check_request_entry,
                                          check_disaggregation, check_grammar_backend, check_parking_args,
                                          check_routed_experts, check_sampling)
 from sgl_vericache.spec.ranks import first_rank_values
@@ -208,10 +209,15 @@ class VeriCacheWorker(NGRAMWorker):
         check_cuda_graphs(self.cuda_graphs, self.device)
         check_kv_cache_dtype(self.model_runner.kv_cache_dtype)
         attention.check_attention(self.model_runner.model, self.model_runner.model_config, self.device)
-        check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1))
+        check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1),
+                          getattr(server_args, "dcp_size", 1), getattr(server_args, "attn_cp_size", 1),
+                          bool(getattr(server_args, "enable_prefill_cp", False)))
+        check_request_entry(getattr(server_args, "tokenizer_worker_num", 1),
+                            bool(getattr(server_args, "smg_grpc_mode", False) or getattr(server_args, "grpc_mode", False)))
         check_sampling(get_exec().kernel.sampling_backend, bool(get_exec().features.enable_custom_logit_processor))
         check_routed_experts(bool(getattr(get_exec().features, "enable_return_routed_experts", False)))
-        check_disaggregation(getattr(get_disagg(), "disaggregation_mode", None))
+        check_disaggregation(getattr(get_disagg(), "disaggregation_mode", None),
+                             bool(getattr(server_args, "enable_pdmux", False)))
         check_grammar_backend(getattr(get_exec().kernel, "grammar_backend", None))
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
         runtime = self.runtime
