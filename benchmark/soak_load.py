@@ -164,7 +164,8 @@ class Client:
         case = self.rng.choice(BAD_CORPUS)
         r = requests.post(self.url + case["path"], json=case["body"], timeout=self.cfg.request_timeout_s)
         text = r.text
-        if case["body"].get("stream") and r.status_code == 200:
+        streams = isinstance(case["body"], dict) and case["body"].get("stream")  # some bodies are not objects
+        if streams and r.status_code == 200:
             return Outcome("bad", "failed", 200, 0, f"{case['name']}: a stream, not a refusal")
         result = "refused" if 400 <= r.status_code < 500 else "failed"
         return Outcome("bad", result, r.status_code, 0, f"{case['name']}: {text[:200]}")
