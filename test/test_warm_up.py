@@ -74,7 +74,7 @@ def test_a_failed_warm_up_is_logged_and_the_worker_goes_on(monkeypatch, caplog):
     monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: True)
     monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: False)
     seam = _Seam(device="cuda", error=RuntimeError("no heads here"))
-    with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.round"):
+    with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.warm_up"):
         _speculator(seam).warm_up_kernels()
     assert seam.layout_calls == 1
     failed = [r for r in caplog.records if "failed" in r.getMessage()]
@@ -113,7 +113,7 @@ def test_the_worker_warms_its_configured_compressors_with_its_layout(monkeypatch
     seam = _Seam(device="cuda")
     seam.windows = windows
     spec = _speculator(seam, compressor=compressor)
-    with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.round"):
+    with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.warm_up"):
         spec.warm_up_kernels()
     ((compressors, layout, device, warm_windows),) = calls
     assert [a is b for a, b in zip(compressors, spec.planner.configured_compressors())] == [True] * len(compressors)
@@ -142,7 +142,7 @@ def test_the_worker_warms_the_verify_kernel_for_its_longest_block(monkeypatch, c
     specs = []
     for draft_len in (12, 4):
         specs.append(_speculator(_Seam(device="cuda"), draft_len=draft_len, deterministic=deterministic))
-        with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.round"):
+        with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.warm_up"):
             specs[-1].warm_up_kernels()
     if deterministic:
         assert calls == [], calls

@@ -215,66 +215,15 @@ class Speculator:
                                  layout.head_dim, kv_dtype, prefix_bytes, dense_buffers=not kernels)
 
     def warm_up_kernels(self, compile_now: bool = True) -> None:
-        """Read the model's head layout and compile the draft kernels for the configured
-        compressors and the verify kernel for blocks up to draft_len + 1 tokens now
-        (spec/warm_up.py), not in the first requests' rounds; nothing to compile on a device
-        that runs them on torch, or without ``compile_now`` (--no-vericache-warm-up-kernels).
-        Runs once the KV pool exists (the worker's alloc_memory_pool). What happened is kept
-        in ``kernels`` (/server_info's ``vericache_kernels``); a failure is logged and the
-        server goes on (the kernels then compile at first use)."""
-        from sgl_vericache.kernels import draft_attention_available, verify_kernel_available
+        """Compile the draft kernels for the configured compressors and the verify kernel for
+        blocks up to draft_len + 1 tokens now, not in the first requests' rounds
+        (``warm_up.warm_up_kernels``); what happened goes to ``kernels``. Runs once the KV
+        pool exists (the worker's alloc_memory_pool)."""
         from sgl_vericache.spec import warm_up
 
-        device = self.seam.device
-        drafts = draft_attention_available(device)
-        verifies = verify_kernel_available(device) and not self.vc.deterministic
-        self.kernels["draft"] = "pending" if drafts else "off: draft attention runs on torch here"
-        self.kernels["verify"] = "pending" if verifies else (
-            "off: deterministic mode verifies on torch" if verify_kernel_available(device)
-            else "off: verify attention runs on torch here")
-        compressors = self.planner.configured_compressors()
-        what_drafts = "the draft kernels for " + ", ".join(c.name for c in compressors) + (
-            " and sliding-window layers" if self.windowed is not None else "")
-        what_verify = f"the verify kernel for blocks of up to {self.vc.draft_len + 1} tokens"
-        try:
-            layout = self.seam.head_layout()
-        except Exception as exc:  # a warm-up is an optimization: never the reason a server fails to start
-            self.kernels["head_layout"] = f"unreadable: {type(exc).__name__}: {exc}"[:300]
-            if drafts or verifies:
-                logger.exception("VeriCache: compiling %s at start-up failed (reading the model's head layout); they "
-                                 "compile at first use instead",
-                                 " and ".join(w for w, on in ((what_drafts, drafts), (what_verify, verifies)) if on))
-            self._not_warmed("no head layout")
-            return
-        self.kernels["head_layout"] = None if layout is None else str(layout)
-        if layout is None or not compile_now:
-            self._not_warmed("no attention layer found" if layout is None else "not asked to")
-            return
-        if drafts:
-            self.kernels["draft"] = self._warm(what_drafts, layout,
-                                               lambda: warm_up.warm_up(compressors, layout, device,
-                                                                       windows=self.windowed is not None))
-        if verifies:
-            self.kernels["verify"] = self._warm(what_verify, layout,
-                                                lambda: warm_up.warm_verify(layout, self.vc.draft_len + 1, device))
-
-    def _not_warmed(self, why: str) -> None:
-        for key in ("draft", "verify"):
-            if self.kernels[key] == "pending":
-                self.kernels[key] = f"compiled at first use ({why})"
-
-    @staticmethod
-    def _warm(what: str, layout, compile_them) -> str:
-        logger.info("VeriCache: compiling %s (%s)", what, layout)
-        try:
-            seconds = compile_them()
-        except Exception as exc:  # a warm-up is an optimization: never the reason a server fails to start
-            logger.exception("VeriCache: compiling %s at start-up failed; they compile at first use instead", what)
-            return f"compiled at first use (warm-up failed: {type(exc).__name__}: {exc})"[:300]
-        if seconds is None:
-            return "off"
-        logger.info("VeriCache: %s ready in %.1f s", what, seconds)
-        return f"ready in {seconds:.1f} s"
+        warm_up.warm_up_kernels(self.kernels, self.seam.device, self.planner.configured_compressors(),
+                                self.windowed is not None, self.vc.draft_len, self.vc.deterministic,
+                                self.seam.head_layout, compile_now)
 
     # -- per request ---------------------------------------------------------------------
 

@@ -20,15 +20,18 @@ holds: one launch per size that verify blocks of 1 .. draft_len + 1 tokens pick.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from sgl_vericache.mem_cache.compress import KVCompressor
 
 from .drafter import CompressedKVStore, kernels_on, selects_per_step
+
+logger = logging.getLogger(__name__)
 
 # two synthetic requests: long enough that every compressor keeps a compressed main part and
 # (KIVI) a residual window, short enough to cost milliseconds
@@ -168,3 +171,62 @@ def warm_verify(layout: HeadLayout, tokens: int, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
+
+
+def warm_up_kernels(kernels: dict, device, compressors: Sequence[KVCompressor], windows: bool, draft_len: int,
+                    deterministic: bool, read_layout: Callable, compile_now: bool = True) -> None:
+    """A worker's warm-up at start: read the model's head layout (``read_layout()``) and
+    compile the draft kernels for ``compressors`` (and sliding-window layers, ``windows``)
+    and the verify kernel for blocks of up to ``draft_len + 1`` tokens; nothing to compile
+    on a device that runs them on torch, or without ``compile_now``
+    (--no-vericache-warm-up-kernels). What happened goes to ``kernels`` (/server_info's
+    ``vericache_kernels``); a failure is logged and the server goes on (the kernels then
+    compile at first use)."""
+    from sgl_vericache.kernels import draft_attention_available, verify_kernel_available
+
+    drafts = draft_attention_available(device)
+    verifies = verify_kernel_available(device) and not deterministic
+    kernels["draft"] = "pending" if drafts else "off: draft attention runs on torch here"
+    kernels["verify"] = "pending" if verifies else (
+        "off: deterministic mode verifies on torch" if verify_kernel_available(device)
+        else "off: verify attention runs on torch here")
+    what_drafts = "the draft kernels for " + ", ".join(c.name for c in compressors) + (
+        " and sliding-window layers" if windows else "")
+    what_verify = f"the verify kernel for blocks of up to {draft_len + 1} tokens"
+    try:
+        layout = read_layout()
+    except Exception as exc:  # a warm-up is an optimization: never the reason a server fails to start
+        kernels["head_layout"] = f"unreadable: {type(exc).__name__}: {exc}"[:300]
+        if drafts or verifies:
+            logger.exception("VeriCache: compiling %s at start-up failed (reading the model's head layout); they "
+                             "compile at first use instead",
+                             " and ".join(w for w, on in ((what_drafts, drafts), (what_verify, verifies)) if on))
+        _not_warmed(kernels, "no head layout")
+        return
+    kernels["head_layout"] = None if layout is None else str(layout)
+    if layout is None or not compile_now:
+        _not_warmed(kernels, "no attention layer found" if layout is None else "not asked to")
+        return
+    if drafts:
+        kernels["draft"] = _warm(what_drafts, layout, lambda: warm_up(compressors, layout, device, windows=windows))
+    if verifies:
+        kernels["verify"] = _warm(what_verify, layout, lambda: warm_verify(layout, draft_len + 1, device))
+
+
+def _not_warmed(kernels: dict, why: str) -> None:
+    for key in ("draft", "verify"):
+        if kernels[key] == "pending":
+            kernels[key] = f"compiled at first use ({why})"
+
+
+def _warm(what: str, layout, compile_them) -> str:
+    logger.info("VeriCache: compiling %s (%s)", what, layout)
+    try:
+        seconds = compile_them()
+    except Exception as exc:  # a warm-up is an optimization: never the reason a server fails to start
+        logger.exception("VeriCache: compiling %s at start-up failed; they compile at first use instead", what)
+        return f"compiled at first use (warm-up failed: {type(exc).__name__}: {exc})"[:300]
+    if seconds is None:
+        return "off"
+    logger.info("VeriCache: %s ready in %.1f s", what, seconds)
+    return f"ready in {seconds:.1f} s"
