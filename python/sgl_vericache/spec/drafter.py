@@ -63,6 +63,10 @@ def kernels_on(draft_kernels: Optional[bool], device) -> bool:
     return draft_attention_available(device)
 
 
+def _stale(entry, verified_len: int, compressor: KVCompressor) -> bool:
+    return entry.cached_len > verified_len or entry.compressor is not compressor
+
+
 class CompressedKVStore:
     def __init__(self, compressor: KVCompressor, num_layers: int, draft_kernels: Optional[bool] = None):
         """``draft_kernels``: None runs draft attention on the GPU kernels (sgl_vericache.kernels)
@@ -111,6 +115,16 @@ class CompressedKVStore:
             return None
         return entry.compressor, tuple(entry.layers), entry.cached_len
 
+    def rebuilds(self, rid: Hashable, verified_len: int, compressor: KVCompressor) -> bool:
+        """Whether ``sync(rid, verified_len, compressor=compressor)`` builds the entry from its
+        first token (none yet, another compressor, or the request went back)."""
+        entry = self._entries.get(rid)
+        return entry is None or not entry.cached_len or _stale(entry, verified_len, compressor)
+
+    def behind(self, rid: Hashable, verified_len: int, compressor: KVCompressor) -> bool:
+        """Whether that sync reads any of the request's KV at all."""
+        return self.rebuilds(rid, verified_len, compressor) or self._entries[rid].cached_len < verified_len
+
     def sync(
         self,
         rid: Hashable,
@@ -124,8 +138,8 @@ class CompressedKVStore:
         query-aware methods (SnapKV, H2O) when the entry is first built."""
         compressor = compressor or self.compressor
         entry = self._entries.get(rid)
-        if entry is not None and (entry.cached_len > verified_len or entry.compressor is not compressor):
-            # The request went back (retraction / recompute): rebuild from scratch.
+        if entry is not None and _stale(entry, verified_len, compressor):
+            # The request went back (retraction / recompute), or another compressor: rebuild from scratch.
             self.release(rid)
             entry = None
         if entry is None:

@@ -470,7 +470,7 @@ class Speculator:
             parked = self.parking is not None and self.parking.is_parked(req.rid)
             if parked and not verifying[i]:
                 continue
-            if parked and self._reads_kv(req, batch.verified[i], plans[i].compressor):
+            if parked and self.store.behind(req.rid, batch.verified[i], plans[i].compressor):
                 # its entry is built again from its KV (let go after running out of memory, or
                 # a new compressor): read where parking freed the slots, it would compress (and
                 # file in the prefix cache) whatever now lies there. Rare: its KV comes back
@@ -496,7 +496,7 @@ class Speculator:
         req = batch.reqs[i]
         read_kv = self.seam.read_kv(batch.pool_rows[i])
         queries, compressor = None, plans[i].compressor
-        if req.rid not in self.store or self._rebuilds(req, batch.verified[i], compressor):
+        if self.store.rebuilds(req.rid, batch.verified[i], compressor):
             queries = layer_queries(self.queries.pop(req.rid, None), self.store.num_layers)
             if compressor.needs_queries and queries is None:
                 plans[i] = self._without_queries(req, plans[i])
@@ -517,19 +517,6 @@ class Speculator:
         self.stats.add("query_free_rebuilds", 1)
         self.stats.planned(STAND_IN)
         return plan
-
-    def _rebuilds(self, req, verified: int, compressor) -> bool:
-        """Whether syncing ``req``'s entry to ``verified`` builds it from its first token (no
-        entry, a new compressor, or the request went back: ``CompressedKVStore.sync``)."""
-        entry = self.store.entry(req.rid)
-        return entry is None or entry[0] is not compressor or entry[2] > verified
-
-    def _reads_kv(self, req, verified: int, compressor) -> bool:
-        """Whether syncing ``req``'s entry to ``verified`` reads its KV at all. A parked
-        request has drafted since it was parked, so its entry had reached its verified
-        tokens, unless it was let go or its compressor changed."""
-        entry = self.store.entry(req.rid)
-        return self._rebuilds(req, verified, compressor) or entry[2] < verified
 
     def _seed_from_prefix(self, req, verified: int, compressor, read_kv) -> None:
         """A new request whose verified tokens start with a cached prefix takes its
