@@ -603,7 +603,7 @@ def _req(**params):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    sp = SamplingParams(max_new_tokens=32, temperature=0, **params)
+    sp = SamplingParams(**{"max_new_tokens": 32, "temperature": 0, **params})
     sp.normalize(_Tok())
     req = Req("r", "p", array("q", [0, 1]), sp, eos_token_ids={2}, vocab_size=5)
     req.tokenizer = _Tok()
@@ -652,13 +652,72 @@ def test_a_round_ends_where_decoding_stops(params):
     kept = [predict[index[b, : lens[b]].long()].tolist() for b in range(2)]
     assert _finish(_req(**params), kept[0], at_once=True) == decoded
     if params.get("ignore_eos"):
-        assert kept[0] == run  # EOS is no stop: nothing cut
+        assert kept[0] == [0, 2, 4, 3]  # EOS is no stop: the run goes on to the stop string
     else:
         assert kept[0] == [0, 2] and index[0, 2:].eq(-1).all()
     if "stop_token_ids" in params:
         assert kept[1] == [4]  # a stop token id of the request's own ends its run too
     else:
         assert kept[1] == [4, 4, 1]
+
+
+def _in_rounds(params, stream, width, cap=True):
+    """(finish reason, finished_len, output ids up to it) of a request whose verifies accept
+    ``stream`` ``width`` tokens a round, each run capped by cap_acceptance (or not)."""
+    from sgl_vericache.sglang.sampling import cap_acceptance
+
+    req, at = _req(**params), 0
+    while not req.finished() and at < len(stream):
+        verified = _verified([stream[at : at + width]], width)
+        if cap:
+            cap_acceptance(verified, (), (), [req])
+        predict, lens, index = verified
+        kept = predict[index[0, : lens[0]].long()].tolist()
+        req.output_ids.extend(kept)
+        req.update_finish_state(len(kept))
+        at += len(kept)
+    return type(req.finished_reason).__name__, req.finished_len, list(req.output_ids[: req.finished_len])
+
+
+def _decoded(params, stream):
+    req = _req(**params)
+    reason, length = _finish(req, stream, at_once=False)
+    return reason, length, list(req.output_ids[:length])
+
+
+# _Tok encodes any stop string as one token, so a decode step reads the text of the last two
+# tokens (three for a regex of two characters) and a run of n the last n + 1
+@pytest.mark.parametrize("params,stream", [
+    ({"stop": ["abc", "\n"]}, [1, 0, 1, 4, 3, 0, 1]),  # "abc" in three pieces: decoding stops at the newline
+    ({"stop": ["abc"]}, [0, 1, 4] * 14),  # no decode step sees "abc": decoding runs to max_new_tokens
+    ({"stop": ["abc"], "max_new_tokens": 5}, [0, 1, 4] * 3),
+    ({"stop_regex": ["^bc"]}, [0, 0, 1, 4, 1, 1, 0, 1, 4]),  # anchored at the window's start: the run's check misses it
+    ({"stop_regex": ["c\\n"], "stop": ["aa"]}, [1, 4, 3, 0, 0, 1]),
+])
+@pytest.mark.parametrize("width", [3, 5, 8])
+def test_stop_strings_end_a_run_where_decoding_ends(params, stream, width):
+    """SGLang's finish check reads a run of n accepted tokens through a window n - 1 tokens
+    longer than a decode step's, so it finds stop strings spanning more tokens than the stop
+    string's own tokenization (which no decode step sees) and matches decoding never makes;
+    an anchored stop regex can match a decode step's window and not the run's. Each round is
+    cut so that SGLang's own check ends the request where decoding one token at a time does:
+    the same ids, length and finish reason."""
+    decoded = _decoded(params, stream)
+    assert _in_rounds(params, stream, width) == decoded
+    if width == 8 and params.get("max_new_tokens") is None:  # negative control: SGLang's check on whole runs
+        assert _in_rounds(params, stream, width, cap=False) != decoded
+
+
+def test_stop_string_cut_leaves_ordinary_runs_whole():
+    """A run in which neither decoding nor the run's check finds a stop string is accepted
+    whole, and a stop string inside a run ends it after its last token, as decoding does."""
+    from sgl_vericache.sglang.sampling import string_stop_cut
+
+    req = _req(stop=["ca"])
+    assert string_stop_cut(req, [0, 1, 1, 0, 4]) == 5
+    assert string_stop_cut(req, [0, 1, 4, 0, 1]) == 4
+    req.output_ids.extend([1, 4])
+    assert string_stop_cut(req, [0, 1]) == 1  # the stop spans the last round's token and this one's first
 
 
 def test_rows_without_drafts_accept_one_token_and_deferred_rows_none():

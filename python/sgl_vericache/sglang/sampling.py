@@ -12,6 +12,7 @@ which on CPU always commits argmax; a VERICACHE batch that samples is accepted b
 
 from __future__ import annotations
 
+import functools
 import random
 import types
 
@@ -136,7 +137,9 @@ def install_verify_sampler(runtime: Runtime) -> None:
 def cap_acceptance(verified, deferred, undrafted, reqs) -> None:
     """In place on ``eagle_sample``'s (predict, accept_lens, accept_index): ``deferred`` rows
     accept nothing, ``undrafted`` rows (verified over copies of their root) the first token
-    alone, and every row's run ends at its first stop token (``stop_tokens``).
+    alone, every row's run ends at its first stop token (``stop_tokens``), and a row with
+    stop strings or stop regexes accepts what makes SGLang's finish check end it where
+    decoding would (``string_stop_cut``).
 
     Decoding stops at an EOS; a verify can accept the target's tokens past it, and SGLang's
     finish check then looks for stop strings in the whole run before it looks for stop
@@ -170,8 +173,9 @@ def stop_tokens(req) -> frozenset:
 
 
 def end_runs_at_stop_tokens(verified, reqs) -> None:
-    """Cut each row's accepted run after its first stop token (one host copy of the round's
-    accepted tokens, and only when some row accepted more than one)."""
+    """Cut each row's accepted run after its first stop token, then where its stop strings
+    ask (``string_stop_cut``); one host copy of the round's accepted tokens, and only when
+    some row accepted more than one."""
     predict, accept_lens, accept_index = verified
     lens = accept_lens.tolist()
     if max(lens, default=0) < 2:
@@ -180,14 +184,87 @@ def end_runs_at_stop_tokens(verified, reqs) -> None:
     for b, (req, n) in enumerate(zip(reqs, lens)):
         if n < 2:
             continue
+        keep = n
         stops = stop_tokens(req)
-        if not stops:
-            continue
         for j in range(n - 1):
             if runs[b][j] in stops:
-                accept_lens[b] = j + 1
-                accept_index[b, j + 1:] = -1
+                keep = j + 1
                 break
+        if keep > 1:
+            keep = string_stop_cut(req, runs[b][:keep])
+        if keep < n:
+            accept_lens[b] = keep
+            accept_index[b, keep:] = -1
+
+
+def string_stop_cut(req, run) -> int:
+    """How much of ``run`` (tokens a verify accepted after ``req.output_ids``) to accept so that
+    SGLang's stop-string / stop-regex check, run once over the accepted tokens, ends the
+    request where decoding them one step at a time would, with the same length and match.
+
+    A decode step looks for stop strings in the text of the last ``stop_str_max_len + 1``
+    tokens; SGLang's check of a run of n looks in the last ``stop_str_max_len + n``, so it can
+    find a stop string that spans more tokens than it does on its own (a one-token stop word
+    produced as three pieces), which no decode step sees, or an earlier match than decoding's
+    that ends the request at another length. Here each step is checked as decoding checks it,
+    with SGLang's own code (``_string_finish``), and the run is cut: after the step decoding
+    stops at if the run's check then agrees, else before the first token the run's check
+    would stop at too early. A stop string found by a decode step lies in the run's text as
+    well (a tokenizer alters a window's first characters only: a leading space, a partial
+    UTF-8 character), so a run whose check finds none needs no step-by-step one; stop regexes
+    can anchor at a window's start and are always checked step by step. Tokens past
+    ``max_new_tokens`` are not accepted: decoding never makes them."""
+    params = req.sampling_params
+    if not (params.stop_strs or getattr(params, "stop_regex_strs", None)) or getattr(req, "tokenizer", None) is None:
+        return len(run)
+    prior = list(req.output_ids)
+    cap = params.max_new_tokens
+    n = len(run) if cap is None else max(1, min(len(run), cap - len(prior)))
+    if n < 2:
+        return n
+    whole = _string_finish(req, prior + run[:n], n)
+    if whole is None and not getattr(params, "stop_regex_strs", None):
+        return n
+    stop_at, step = n, None
+    for j in range(n):
+        step = _string_finish(req, prior + run[: j + 1], 1)
+        if step is not None:
+            stop_at = j
+            break
+    if step is not None and _string_finish(req, prior + run[: stop_at + 1], stop_at + 1) == step:
+        return stop_at + 1
+    if step is None and whole is None:
+        return n
+    for k in range(min(stop_at, n - 1), 0, -1):  # the longest prefix the run's check lets through
+        if _string_finish(req, prior + run[:k], k) is None:
+            return k
+    return 1
+
+
+def _string_finish(req, output_ids, new):
+    """(finished_len, reason, what matched) of SGLang's own ``Req._check_str_based_finish``
+    (and the ``max_new_tokens`` cap after it) for ``req`` had its output been ``output_ids``,
+    the last ``new`` of them accepted in one step; None where it does not finish."""
+    probe = _finish_probe()()
+    probe.__dict__.update(
+        rid=req.rid, sampling_params=req.sampling_params, tokenizer=req.tokenizer, output_ids=output_ids,
+        decoded_text=getattr(req, "decoded_text", ""), finished_reason=None, finished_len=None)
+    if not probe._check_str_based_finish(new):
+        return None
+    probe._cap_finished_len_at_max_new_tokens()
+    reason = probe.finished_reason
+    return probe.finished_len, type(reason).__name__, getattr(reason, "matched", None)
+
+
+@functools.cache
+def _finish_probe():
+    """A class that runs ``Req``'s stop-string check on an output of one's choosing (its
+    methods are SGLang's own, so the check follows the installed version's rules)."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    names = ("tail_str", "_stop_match_tail_len", "_locate_str_stop_finished_len", "_check_str_based_finish",
+             "_cap_finished_len_at_max_new_tokens")
+    return type("FinishProbe", (), {name: Req.__dict__[name] for name in names})
 
 
 def engine_draw(sampler, logits, params, repeat, positions):
