@@ -139,3 +139,29 @@ def test_integrity_check_finds_corruption(parts):
     model.alloc.alloc(3)  # slots taken and never given to the tree nor freed: a leak
     with pytest.raises(CacheIntegrityError, match="in tree .* free != pool"):
         model.cache.check_integrity()
+
+
+def test_a_release_without_a_checkpoint_leaves_no_flag_behind(parts, monkeypatch):
+    """A retraction or a priority preemption releases a request's row without a checkpoint.
+    The flag its release set (the next checkpoint is the release's insert) must go with the
+    release: else, under a full-KV device budget, the request's first publish after it
+    resumes was inserted and locked in the tree instead of staying its own parkable KV."""
+    from types import SimpleNamespace as N
+
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    make, *_ = parts
+    cache, _ = make()
+    cache.prompts_owned = True  # --vericache-full-device-budget
+    inserted = []
+    monkeypatch.setattr(UnifiedRadixCache, "checkpoint", lambda self, req, *, up_to, **kw: inserted.append(up_to))
+    req = N(rid="r", session=None, session_id=None, finished=lambda: False, kv=N(req_pool_idx=0))
+    assert cache.claim_kv_row(req) is False
+    assert req.vericache_releasing  # a checkpoint now would be the release's insert
+    cache.on_release(req, checkpointed=False)
+    assert "vericache_releasing" not in req.__dict__
+    cache.checkpoint(req, up_to=100)  # the resumed request's publish after its prefill
+    assert inserted == []  # its prompt stays its own
+    cache.claim_kv_row(req)
+    cache.checkpoint(req, up_to=120)  # a release that does checkpoint (it finished) inserts
+    assert inserted == [120]

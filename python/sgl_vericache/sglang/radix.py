@@ -48,7 +48,17 @@ class VeriCacheRadixCache(UnifiedRadixCache):
         # preempted); a checkpoint that follows is the release's insert.
         load_parked(self.runtime, req)
         req.vericache_releasing = True
-        return super().claim_kv_row(req)
+        detached = super().claim_kv_row(req)
+        if detached:  # a streaming session keeps the row: no release follows
+            req.__dict__.pop("vericache_releasing", None)
+        return detached
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        # The release is over. A retraction or a preemption releases without a checkpoint,
+        # and the flag would have made the request's first publish after it resumes count
+        # as a release's insert: locked in the tree under a full-KV device budget.
+        req.__dict__.pop("vericache_releasing", None)
+        super().on_release(req, checkpointed=checkpointed)
 
     def checkpoint(self, req, *, up_to, **kwargs):
         """SGLang publishes a running request's prefill into the tree after each extend
