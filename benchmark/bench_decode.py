@@ -63,6 +63,7 @@ class DecodeConfig:
     repeats: int = 3
     ratio: float = 4.0
     draft_weights: str = "auto"  # --vericache-draft-weights of the VERICACHE arm (auto: fp16 copy at batch <= 2 of an fp32 model)
+    repetition_penalty: float = 1.0  # both arms' requests (Qwen2.5's generation config: 1.05)
     out: str = "benchmark/results/decode.json"
 
 
@@ -222,8 +223,10 @@ def default_draft_lens(compressors) -> tuple[int, ...]:
 # ---------------------------------------------------------------- runs
 
 
-def timed_run(engine, ids, max_new_tokens: int, compressor=None, draft_len=None, ratio=4.0) -> dict:
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+def timed_run(engine, ids, max_new_tokens: int, compressor=None, draft_len=None, ratio=4.0,
+              repetition_penalty=1.0) -> dict:
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True,
+              "repetition_penalty": repetition_penalty}
     if compressor is not None:
         params["custom_params"] = {"vericache_compressor": compressor, "vericache_ratio": ratio,
                                    "vericache_draft_len": draft_len}
@@ -292,10 +295,10 @@ def run_point(engines, ids, cfg: DecodeConfig, draft_lens, log, label) -> list[d
     log(f"{label}: prefill warm-up of both arms {time.time() - t0:.1f} s")
     offs, vcs = [], {c: [] for c in cfg.compressors}
     for rep in range(cfg.repeats):
-        offs.append(timed_run(off, ids, cfg.max_new_tokens))
+        offs.append(timed_run(off, ids, cfg.max_new_tokens, repetition_penalty=cfg.repetition_penalty))
         log(f"{label} rep {rep} off: {offs[-1]['tok_s']:6.2f} tok/s (decode {offs[-1]['decode_s']:.2f} s)")
         for comp, d in zip(cfg.compressors, draft_lens):
-            vcs[comp].append(timed_run(spec, ids, cfg.max_new_tokens, comp, d, cfg.ratio))
+            vcs[comp].append(timed_run(spec, ids, cfg.max_new_tokens, comp, d, cfg.ratio, cfg.repetition_penalty))
             r = vcs[comp][-1]
             same = sum(a == b for a, b in zip(r["output_ids"], offs[-1]["output_ids"]))
             log(f"{label} rep {rep} {comp} d={d}: {r['tok_s']:6.2f} tok/s (x{r['tok_s'] / offs[-1]['tok_s']:.2f}), "
@@ -430,6 +433,8 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--draft-weights", default=None, choices=("auto", "model", "fp16", "int8"),
                    help="the VERICACHE arm's --vericache-draft-weights (default auto: the fp16 copy up to 2 rows per product for an fp32 model)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="every request's repetition_penalty, both arms (default 1: none; Qwen2.5 sets 1.05)")
     p.add_argument("--replot", action="store_true", help="only redraw the PNG and table from an existing --out JSON")
     a = p.parse_args()
     cfg = PRESETS["quick" if a.quick else "full"]
@@ -437,7 +442,7 @@ def parse_args():
     overrides = {"contexts": a.contexts and ints(a.contexts), "batches": a.batches and ints(a.batches),
                  "compressors": a.compressors and tuple(a.compressors.split(",")),
                  "draft_lens": a.draft_lens and ints(a.draft_lens), "max_new_tokens": a.max_new_tokens,
-                 "repeats": a.repeats, "draft_weights": a.draft_weights}
+                 "repeats": a.repeats, "draft_weights": a.draft_weights, "repetition_penalty": a.repetition_penalty}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         overrides["mode"] = cfg.mode + "+custom"

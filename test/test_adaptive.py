@@ -725,7 +725,7 @@ def test_learned_costs_do_not_depend_on_the_processs_string_hashing():
 
 
 def test_rows_that_draft_nothing_are_priced_at_one_token_and_no_draft_steps():
-    """A penalized request (plan.one_token_at_a_time) drafts nothing: the controller counts
+    """A request held by min_new_tokens (plan.one_token_at_a_time) drafts nothing: the controller counts
     one token for it whatever the draft length, and no draft-step cost."""
     ctl = Controller(max_draft_len=16)
     rows = _rows(2, 4000)
@@ -737,7 +737,7 @@ def test_rows_that_draft_nothing_are_priced_at_one_token_and_no_draft_steps():
 
 
 def test_a_penalized_row_with_its_own_draft_length_neither_forces_nor_lengthens_rounds():
-    """A request that names its draft length (custom_params) but drafts nothing (penalized)
+    """A request that names its draft length (custom_params) but drafts nothing (held by min_new_tokens)
     used to force a round every iteration and have every round priced at its length, so the
     longest draft won for its batch-mates too."""
     decide = lambda rows: Controller(max_draft_len=16).decide(rows)  # noqa: E731  (fresh: no probing state)

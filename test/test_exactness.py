@@ -394,9 +394,11 @@ def test_seeded_sampling_is_token_identical(reference, vc_engine, default_model_
 
 
 def test_penalized_sampling_is_token_identical(reference, steady_engine, default_model_path):
-    """Penalties and min_new_tokens, which SGLang accumulates once an iteration: their
-    requests draft nothing (one token a round), so their ids equal speculation off's, while
-    the batch's other rows keep drafting (a regex-constrained one among them). On the engine without forced preemption: a
+    """Penalties and min_new_tokens, which SGLang accumulates once an iteration. Penalized
+    requests draft, each verified position penalized as a decode step there
+    (``sglang.penalties``), and their ids equal speculation off's; a request held by
+    min_new_tokens drafts nothing until it is reached (one token a round); the batch's other
+    rows keep drafting (a regex-constrained one among them). On the engine without forced preemption: a
     retracted request's penalties start again from zero when it resumes, in SGLang itself,
     with or without speculation (the reference never preempts)."""
     from transformers import AutoTokenizer
@@ -412,6 +414,8 @@ def test_penalized_sampling_is_token_identical(reference, steady_engine, default
     assert outs[-2]["text"].startswith("Answer: ")  # the grammar held
     assert outs[-1]["output_ids"] == reference[0][:40]
     assert outs[-1]["meta_info"]["spec_verify_ct"] < 40  # the unpenalized row still drafted
+    rounds = [(len(o["output_ids"]), o["meta_info"]["spec_verify_ct"]) for o in outs]
+    assert all(rounds[i][1] < rounds[i][0] for i in (0, 1, 3, 4, 5)), rounds  # penalized rows drafted
 
 
 def test_stop_conditions_inside_drafts(reference, vc_engine, default_model_path):

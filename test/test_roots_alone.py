@@ -54,6 +54,11 @@ class _Seam:
         self.kv = torch.randn(LAYERS, 2, 600, H_KV, D, generator=torch.Generator().manual_seed(0))
         self.sync_oom = False
         self.sampled_rows = []
+        self.penalty_rows = []  # rows each round asked draft penalties for
+
+    def draft_penalty(self, source, rows):
+        self.penalty_rows.append(list(rows))
+        return None
 
     def read_kv(self, pool_row):
         def read(layer_id, start, end):
@@ -267,11 +272,12 @@ def test_the_pause_books_nothing_against_an_earlier_batch():
     assert seen == [("round", ["a", "b"])]  # the pause's plain steps: nothing learned
 
 
-def test_penalized_requests_draft_nothing_and_emit_one_token_a_round():
-    """SGLang accumulates penalties (and min_new_tokens' count) once an iteration from the
-    last output token: a request with them drafts nothing, so its rounds emit one token, as
-    decoding does, while its batch-mates draft; a batch of such requests alone decodes
-    plainly. min_new_tokens holds only until the output reaches it."""
+def test_penalized_requests_draft_and_min_new_tokens_holds_one_token_a_round():
+    """Penalized requests draft (the seam penalizes each verified position as decoding
+    would, and steers their drafts: the round asks it for the drafting rows' penalties).
+    SGLang counts min_new_tokens' output tokens once an iteration: a request short of it
+    drafts nothing, so its rounds emit one token, as decoding does, while its batch-mates
+    draft; alone it decodes plainly; once the output reaches it, it drafts."""
     seam = _Seam()
     spec = _speculator(seam)
     drafted_rows = []
@@ -283,25 +289,27 @@ def test_penalized_requests_draft_nothing_and_emit_one_token_a_round():
     reqs = [plain, penalized, held]
     width = spec.begin_iteration(reqs, [300, 200, 250], max_width=5)
     out = spec.draft_round(_batch(reqs), width)
-    # verified over copies of their roots, they accept one token (sglang/sampling.py: cap_acceptance)
-    assert spec.undrafted == (1, 2) and spec.deferred == ()
-    assert "b" not in spec.store and "c" in spec.store  # never drafts: no entry; c will once its minimum is out
+    # verified over copies of its root, it accepts one token (sglang/sampling.py: cap_acceptance)
+    assert spec.undrafted == (2,) and spec.deferred == ()
+    assert "b" in spec.store and "c" in spec.store  # c will draft once its minimum is out
     spec.close_round()
     assert spec.undrafted == ()
-    assert spec.stats.totals.get("context_limited_rounds", 0) == 0  # far from the context's end
-    assert out.width == 5 and spec.lens == [4, 0, 0] and drafted_rows == [[0]]
+    assert out.width == 5 and spec.lens == [4, 4, 0] and drafted_rows == [[0, 1]]
+    assert seam.penalty_rows == [[0, 1]]  # a penalized row drafts: its penalties steer the round's drafts
     tokens = out.tokens.reshape(3, 5)
-    assert list(tokens[0]) == [7, 5, 5, 5, 5] and (tokens[1:] == 7).all()  # roots alone for b and c
-    assert spec.begin_iteration([penalized, held], [200, 250], max_width=5) == 0  # nothing would draft: plain
+    assert list(tokens[0]) == [7, 5, 5, 5, 5] and (tokens[2] == 7).all()  # the root alone for c
+    assert spec.begin_iteration([held], [250], max_width=5) == 0  # nothing would draft: plain
     spec.end_plain(0.01, 0.0)
-    assert spec.begin_iteration([penalized, held], [200, 250], max_width=5, must_round=True) == 1
+    assert spec.begin_iteration([held], [250], max_width=5, must_round=True) == 1
     spec.planner.undecided()
     held.output_ids = [7, 7, 7]  # min_new_tokens reached: it drafts again
     for name, value in (("presence_penalty", 0.2), ("repetition_penalty", 1.1)):
         other = _req("d", 100)
         setattr(other.sampling_params, name, value)
         out = _round(spec, [held, other])
-        assert spec.lens == [4, 0], name
+        assert spec.lens == [4, 4], name
+    _round(spec, [held, _req("e", 100)])
+    assert seam.penalty_rows[-1] == [0, 1] and len(seam.penalty_rows) == 3  # no penalized row: not asked
 
 
 def test_penalized_requests_verify_in_every_round_under_a_full_kv_budget():
@@ -323,7 +331,7 @@ def test_penalized_requests_verify_in_every_round_under_a_full_kv_budget():
     for _ in range(4):
         width = spec.begin_iteration(reqs, [300, 200, 250], max_width=5)
         spec.draft_round(_batch(reqs), width)
-        assert spec.lens[1] == 0 and not spec.parking.is_parked("b")
+        assert spec.lens[1] == 4 and not spec.parking.is_parked("b")  # it drafts, and is never parked
         deferred.append(spec.close_round())
         spec.count_round(reqs, [1, 1, 1], deferred[-1], 0.01, 0.0)
     assert all(1 not in d and len(d) == 1 for d in deferred), deferred  # a and c take turns

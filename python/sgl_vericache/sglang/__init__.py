@@ -8,6 +8,7 @@ patches and why:
 - ``forward``: draft forward passes over compressed KV, narrowed verify batches;
 - ``attention``: the draft and verify attention backends, the CPU engine's extend;
 - ``sampling``: seeded sampling on the pytorch sampler, acceptance for sampled rounds;
+- ``penalties``: frequency, presence and repetition penalties position by position in a verify;
 - ``scheduler``: deferred rows, preempted requests keeping their KV, fetch drafting, /server_info;
 - ``radix``: the ``vericache`` radix-cache backend, its integrity check, full-KV parking hooks;
 - ``hicache``: HiCache on a CPU device pool, load timing;
@@ -35,7 +36,8 @@ def register_all() -> Runtime:
         return _PROCESS_RUNTIME
     from sgl_vericache.config import VeriCacheConfig
     from sgl_vericache.cpu import compat
-    from sgl_vericache.sglang import attention, forward, hicache, linear, radix, sampling, scheduler, spec_algorithm, storage
+    from sgl_vericache.sglang import attention, forward, hicache, linear, penalties, radix, sampling, scheduler, spec_algorithm
+    from sgl_vericache.sglang import storage
     from sgl_vericache.sglang import containment, validation
 
     compat.install()
@@ -47,6 +49,7 @@ def register_all() -> Runtime:
         sampling.install_seeded_sampling,  # sampling_seed on the pytorch sampler, per row
         sampling.install_verify_sampler,  # sampled rounds' acceptance; deferred rows accept nothing
         sampling.install_penalty_order,  # additive penalties before repetition, in every process
+        penalties.install_penalties_per_position,  # penalized rows draft: each position penalized as decoding
         hicache.install_cpu_hicache,  # HiCache with a CPU device pool; load timing
         attention.install_cpu_extend_attention,  # torch_native extend: new rows only
         radix.install_radix_cache_backend,  # --radix-cache-backend vericache; integrity at idle

@@ -18,8 +18,10 @@ import types
 
 import torch
 
+from sgl_vericache.sglang.penalties import mark_round, penalize_positions
 from sgl_vericache.sglang.runtime import Runtime, patch
 from sgl_vericache.spec.accept import filter_probs
+from sgl_vericache.spec.plan import penalized
 from sgl_vericache.spec.sampled_round import SampledRound, repeat_rows
 
 
@@ -113,20 +115,34 @@ def install_verify_sampler(runtime: Runtime) -> None:
     VERICACHE batch that samples, acceptance goes to the worker's ``SampledRound`` instead;
     everything else (greedy batches, other algorithms) keeps SGLang's function. Rows
     deferred this round (staggered verifies) accept nothing; rows that drafted nothing
-    (``Speculator.undrafted``) accept their root's token alone, exactly a decode step."""
+    (``Speculator.undrafted``) accept their root's token alone, exactly a decode step.
+    Penalties are applied position by position (``penalties.penalize_positions``) in place
+    of SGLang's relaxed step, and penalized rows are marked for ``penalties.catch_up``."""
     from sglang.srt.speculative import ngram_worker
 
     def make(original):
         def eagle_sample(verify_input, batch, logits_output, grammar_mask=None, *args, **kwargs):
             worker = eagle_sample.runtime.active_worker
-            sampled = None if worker is None else worker.speculator.sampled
-            if sampled is None or batch.sampling_info.is_all_greedy:
-                out = original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
-            else:
-                out = sampled_verify(sampled, worker.speculator.deferred, verify_input, batch, logits_output,
-                                     grammar_mask)
-            if worker is not None:
-                cap_acceptance(out, worker.speculator.deferred, worker.speculator.undrafted, batch.reqs)
+            if worker is None:
+                return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
+            info, deferred = batch.sampling_info, set(worker.speculator.deferred)
+            rows = [b for b, req in enumerate(batch.reqs) if b not in deferred and penalized(req)]
+            candidates = verify_input.draft_token.reshape(len(batch.reqs), verify_input.draft_token_num)
+            own_penalties = penalize_positions(info, logits_output.next_token_logits, candidates, rows)
+            saved = info.acc_additive_penalties, info.acc_scaling_penalties
+            if own_penalties:  # applied: SGLang's relaxed step must not run again
+                info.acc_additive_penalties = info.acc_scaling_penalties = None
+            try:
+                sampled = worker.speculator.sampled
+                if sampled is None or info.is_all_greedy:
+                    out = original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
+                else:
+                    out = sampled_verify(sampled, worker.speculator.deferred, verify_input, batch, logits_output,
+                                         grammar_mask)
+            finally:
+                info.acc_additive_penalties, info.acc_scaling_penalties = saved
+            cap_acceptance(out, worker.speculator.deferred, worker.speculator.undrafted, batch.reqs)
+            mark_round(batch.reqs, rows)
             return out
 
         return eagle_sample

@@ -26,7 +26,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
 from sgl_vericache.config import VeriCacheConfig
-from sgl_vericache.sglang import attention, forward, radix, sampling, storage
+from sgl_vericache.sglang import attention, forward, penalties, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
 from sgl_vericache.sglang.server import (check_cuda_graphs, check_kv_cache_dtype, check_kv_pool, check_parallelism,
@@ -113,6 +113,10 @@ class WorkerSeam:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         req.to_finish = FINISH_ABORT(message, status, "BadRequestError" if status == 400 else "InternalServerError")
+
+    def draft_penalty(self, batch, rows):
+        """Penalties for a round's draft steps over ``rows`` of ``batch`` (None: none)."""
+        return penalties.DraftPenalty.of(batch.sampling_info, rows, batch.reqs)
 
     def sampled_round(self, batch, rows, rng):
         return sampling.make_sampled_round(self.model_runner.sampler, batch, rows, rng)

@@ -197,7 +197,7 @@ class FetchDrafter:
     def _start(self, req, hit_tokens: int):
         w = self.owner
         if (placeholder_prompt(req) or req.finished() or req.grammar is not None or req.sampling_params.top_k != 1
-                or one_token_at_a_time(req)):  # penalized: its rounds would not take them
+                or one_token_at_a_time(req)):  # held by min_new_tokens: its rounds would not take them
             return None
         plan = w.plan(req)
         if plan.error or req.to_finish is not None:

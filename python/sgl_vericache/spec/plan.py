@@ -56,21 +56,28 @@ def _finished(req) -> bool:
 
 
 def one_token_at_a_time(req) -> bool:
-    """Whether ``req`` must emit one token an iteration to sample as speculation off does.
-    SGLang accumulates the frequency, presence and repetition penalties, and min_new_tokens'
-    count of output tokens, once an iteration from the last output token (under speculation
-    too: its relaxed rule), so a round that emitted several tokens for the request would
-    penalize, or hold back its stop tokens, differently from decoding. Such a request drafts
-    nothing: its rounds verify its last token alone, exactly a decode step. For min_new_tokens
-    only until it is reached (the count, one an iteration, equals the output's length then,
-    and both stay past it)."""
+    """Whether ``req`` must emit one token an iteration to sample as speculation off does: it
+    has not reached its ``min_new_tokens``. SGLang counts a request's output tokens for it
+    once an iteration (under speculation too), so a round that emitted several tokens would
+    hold back its stop tokens differently from decoding. Such a request drafts nothing: its
+    rounds verify its last token alone, exactly a decode step, until the count is reached
+    (it equals the output's length then, and both stay past it). Penalized requests draft:
+    the seam penalizes every verified position as decoding would (``sglang.penalties``)."""
     params = req.sampling_params
-    return penalized(req) or len(req.output_ids) < (getattr(params, "min_new_tokens", 0) or 0)
+    return len(req.output_ids) < (getattr(params, "min_new_tokens", 0) or 0)
+
+
+def verifies_every_round(req) -> bool:
+    """Whether ``req`` must verify in every round (never deferred or parked): it emits one
+    token an iteration, or it is penalized. SGLang adds a request's last output token to its
+    penalty state once an iteration whether or not the iteration emitted one for it, so an
+    iteration without a token would count that token again (a frequency penalty twice)."""
+    return penalized(req) or one_token_at_a_time(req)
 
 
 def penalized(req) -> bool:
-    """Whether ``req`` has frequency, presence or repetition penalties: it never drafts, so
-    it needs no compressed entry."""
+    """Whether ``req`` has frequency, presence or repetition penalties: its verified positions
+    are penalized position by position, and it verifies in every round."""
     params = req.sampling_params
     return (getattr(params, "frequency_penalty", 0.0) not in (0, None)
             or getattr(params, "presence_penalty", 0.0) not in (0, None)

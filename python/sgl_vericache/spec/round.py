@@ -44,7 +44,7 @@ from sgl_vericache.cpu.linear import weights_generation
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
 from sgl_vericache.spec.drafter import CompressedKVStore
 from sgl_vericache.spec.fetch_drafting import FetchDrafter
-from sgl_vericache.spec.plan import Plan, Planner, one_token_at_a_time, penalized
+from sgl_vericache.spec.plan import Plan, Planner, one_token_at_a_time, penalized, verifies_every_round
 from sgl_vericache.spec.stats import Stats
 from sgl_vericache.spec.window_draft import WindowedDraft
 
@@ -379,8 +379,8 @@ class Speculator:
         self.setup_seconds += self.layout_seconds
         self.lens = [n if v else 0 for n, v in zip(lens, verifying)]
         # padded with their roots, rows without drafts would accept any repeat of their last token
-        # the target predicts: several tokens an iteration under one penalty state (penalized
-        # rows), or past the context's last position. They accept their root's token alone.
+        # the target predicts: several tokens an iteration for a request held by min_new_tokens,
+        # or past the context's last position. They accept their root's token alone.
         self.undrafted = tuple(i for i, (n, v) in enumerate(zip(self.lens, verifying)) if v and not n)
         self.stats.drafted(self.draft_seconds, sum(self.lens), steps)
         if self.sampled is not None:  # rejection rows accept their padding as a fixed proposal
@@ -453,8 +453,8 @@ class Speculator:
 
     def _sync_store(self, batch: RoundBatch, plans: list[Plan], verifying: list[bool]) -> list[int]:
         """Bring each drafting request's compressed entry up to its verified tokens (a new
-        one's from the prefix cache where it can). Penalized requests never draft: no entry
-        (a request held by min_new_tokens keeps its own, for when it drafts). A parked
+        one's from the prefix cache where it can; a request held by min_new_tokens keeps its
+        own, for when it drafts). A parked
         request that does not verify this round drafts nothing: it is left as it is (its
         entry, if let go, is built again in the round it verifies in, whose load is within
         what parked requests hold reserved; loading every such request at once was not).
@@ -464,9 +464,6 @@ class Speculator:
         the caller. Returns the rows that failed (they draft nothing this round)."""
         failed = []
         for i, req in enumerate(batch.reqs):
-            if penalized(req):  # its prompt queries, captured for a batch-mate's SnapKV / H2O, go unused
-                self.queries.pop(req.rid, None)
-                continue
             parked = self.parking is not None and self.parking.is_parked(req.rid)
             if parked and not verifying[i]:
                 continue
@@ -541,16 +538,16 @@ class Speculator:
 
     def _verifying_rows(self, batch: RoundBatch) -> list[bool]:
         """Which rows verify this round (``verifying_rows``). Some verify in every round:
-        rows that emit one token an iteration (``one_token_at_a_time``: SGLang accumulates
-        their penalties from the last output token once an iteration, so an iteration that
-        emitted nothing for them would count that token again), and rows that return
+        penalized rows and rows that emit one token an iteration (``verifies_every_round``:
+        SGLang adds their last output token to their penalty state once an iteration, so an
+        iteration that emitted nothing for them would count that token again), and rows that return
         logprobs or follow a grammar (``batch.verify_always``: SGLang's logprob and grammar
         bookkeeping has only ever run with a token from such a row every iteration). They
         are never parked, so a round loads at most what the stagger picks, within what the
         parked requests hold reserved; the batch's other rows still take turns."""
         own = [n - start for n, start in zip(batch.verified, batch.own_kv_start)]
         waited = [self.waited.get(req.rid, 0) for req in batch.reqs]
-        forced = [always or one_token_at_a_time(req) for req, always in zip(batch.reqs, batch.verify_always)]
+        forced = [always or verifies_every_round(req) for req, always in zip(batch.reqs, batch.verify_always)]
         return verifying_rows(self.vc.full_device_budget, own, waited, forced)
 
     def _stage_full_kv(self, batch: RoundBatch, verifying: list[bool]) -> None:
@@ -584,7 +581,7 @@ class Speculator:
 
     def _draft(self, batch: RoundBatch, roots: list[int], steps: int, queued: dict, lens: list[int]) -> np.ndarray:
         """[bs, steps] drafts. Rows deferred this round, and rows whose draft length is 0
-        (penalized sampling, the context's last position), draft nothing (their roots stand
+        (held by min_new_tokens, the context's last position), draft nothing (their roots stand
         in); rows with drafts made ahead (queued) take those; the rest draft ``steps``
         tokens, one forward pass over the compressed entries per step."""
         bs = len(batch.reqs)
@@ -615,14 +612,20 @@ class Speculator:
             self.windowed.begin_round([self.seam.slots(batch.pool_rows[i], max(0, n - widest), n)
                                        for i, n in zip(keep, verified)], verified, steps)
             source = self.windowed
+        # penalized requests' drafts are steered by their penalties (the verify applies them exactly)
+        penalty = self.seam.draft_penalty(batch.source, keep) if any(penalized(batch.reqs[i]) for i in keep) else None
         try:
             with passes.run(draft_batch, source) as forward:
                 for step in range(steps):
                     logits = forward(tokens, positions + step)  # [rows, V]
+                    if penalty is not None:
+                        logits = penalty.apply(logits)
                     if self.sampled is None:
                         tokens = torch.argmax(logits, dim=-1)
                     else:
                         tokens = self.seam.agree_tokens(self.sampled.draw(logits, positions + step).contiguous())
+                    if penalty is not None:
+                        penalty.count(tokens)
                     out[:, step] = tokens
         finally:
             if self.windowed is not None:

@@ -1,0 +1,234 @@
+"""Frequency, presence and repetition penalties, position by position, so penalized
+requests draft.
+
+SGLang keeps a batch's penalty state in its ``BatchedPenalizerOrchestrator`` and adds a
+request's last output token to it once an iteration, before the forward
+(``ScheduleBatch.cumulate_penalty_output_tokens``); a speculative verify applies the state
+of the round's start to every position of the round (``eagle_sample``: "a relaxed version
+of penalties"). Decoding one token at a time, the token at position i is drawn under the
+state that holds the drafts before it too. Three hooks make a VERICACHE round penalize as
+decoding does, so a penalized request can draft instead of emitting one token an iteration:
+
+- ``SamplingBatchInfo.copy_for_forward``: the forward's copy of a batch's sampling state
+  keeps a reference to the orchestrator it was taken from (SGLang drops it), so the verify
+  can read each penalizer's own state;
+- ``penalize_positions`` (called by the verify hook in ``sampling``): every position's
+  logits get the state decoding would have there, the round's start plus the drafts before
+  the position, computed with the penalizers' own operations in their order (so the values
+  are bit-equal to a decode step's), and SGLang's relaxed step is skipped;
+- ``ScheduleBatch.cumulate_penalty_output_tokens``: before the next forward, the tokens a
+  round accepted besides its last (which SGLang adds itself) are added as well, each as
+  decoding adds it.
+
+The penalizers are SGLang 0.5.23's four (frequency, min_new_tokens, presence, repetition);
+another one in a batch stops the verify with an error naming it rather than penalizing
+some other way than decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_vericache.sglang.runtime import Runtime, patch
+
+_ORCHESTRATOR = "vericache_penalizers"  # the forward copy's reference to its batch's orchestrator
+_MARK = "vericache_penalty_mark"  # (output length before the round, retraction count) of a penalized row
+
+
+def install_penalties_per_position(runtime: Runtime) -> None:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    def make_copy(original):
+        def copy_for_forward(self):
+            copy = original(self)
+            if self.penalizer_orchestrator is not None:
+                copy.__dict__[_ORCHESTRATOR] = self.penalizer_orchestrator
+            return copy
+
+        return copy_for_forward
+
+    def make_cumulate(original):
+        def cumulate_penalty_output_tokens(self):
+            original(self)
+            catch_up(self.sampling_info.penalizer_orchestrator, self.reqs)
+
+        return cumulate_penalty_output_tokens
+
+    patch(SamplingBatchInfo, "copy_for_forward", runtime, make_copy)
+    patch(ScheduleBatch, "cumulate_penalty_output_tokens", runtime, make_cumulate)
+
+
+def orchestrator_of(info):
+    """The penalizer orchestrator behind a batch's sampling state (the scheduler's own, or
+    the one a forward copy was taken from); None where nothing is penalized."""
+    orch = info.penalizer_orchestrator or info.__dict__.get(_ORCHESTRATOR)
+    return orch if orch is not None and orch.is_required else None
+
+
+def _penalizers(orch):
+    """The prepared penalizers by kind, in the order the orchestrator applies them."""
+    out = []
+    for cls, pen in orch.penalizers.items():
+        if not pen.is_prepared():
+            continue
+        kind = {"BatchedFrequencyPenalizer": "frequency", "BatchedPresencePenalizer": "presence",
+                "BatchedRepetitionPenalizer": "repetition", "BatchedMinNewTokensPenalizer": "min_new_tokens"}.get(
+                    cls.__name__)
+        if kind is None:
+            raise RuntimeError(f"VeriCache: penalizer {cls.__name__} is not one VeriCache applies per position; "
+                               "known: frequency, presence, repetition, min_new_tokens (SGLang 0.5.23)")
+        out.append((kind, pen))
+    return out
+
+
+def mark_round(reqs, rows) -> None:
+    """Before a verify's tokens are appended: remember where the round's run starts in each
+    penalized row's output, for ``catch_up`` before the next forward."""
+    for b in rows:
+        req = reqs[b]
+        req.__dict__[_MARK] = (len(req.output_ids), req.retraction_count)
+
+
+def catch_up(orch, reqs) -> None:
+    """Add to the penalty state the tokens each marked row's last round accepted besides its
+    last one (SGLang has just added that one), as decoding would have added each: a
+    frequency penalty once per token (sums of one row's penalty, so in any order the same
+    float), presence and repetition set, min_new_tokens' count up by one a token. A row
+    retracted since its round (its state restarted) or never marked adds nothing."""
+    extra = []
+    for b, req in enumerate(reqs):
+        mark = req.__dict__.pop(_MARK, None)
+        if mark is None or mark[1] != req.retraction_count:
+            continue
+        tokens = list(req.output_ids[mark[0]:-1])
+        if tokens:
+            extra.append((b, tokens))
+    if not extra or orch is None or not orch.is_required:
+        return
+    pens = _penalizers(orch)
+    for b, tokens in extra:
+        for kind, pen in pens:
+            if kind == "min_new_tokens":
+                pen.len_output_tokens[b] += len(tokens)
+                continue
+            if kind == "frequency":
+                state, value = pen.cumulated_frequency_penalties, pen.frequency_penalties
+            elif kind == "presence":
+                state, value = pen.cumulated_presence_penalties, pen.presence_penalties
+            else:
+                state, value = pen.cumulated_repetition_penalties, pen.repetition_penalties
+            index = torch.tensor([tokens], dtype=torch.int64, device=state.device)
+            src = value[b : b + 1].expand(1, len(tokens))
+            if kind == "frequency":
+                state[b : b + 1].scatter_add_(1, index, src)
+            else:
+                state[b : b + 1].scatter_(1, index, src)
+
+
+def penalize_positions(info, logits: torch.Tensor, candidates: torch.Tensor, rows) -> bool:
+    """Penalize a verify's logits ([bs * n, V], in place) as decoding would at each position:
+    row b's position i under the round's starting state plus its drafts 1..i
+    (``candidates`` [bs, n]: the root, then the drafts). Rows not in ``rows`` get the round's
+    starting state, as SGLang's relaxed step gives them. Returns False (nothing done) where
+    the batch has no penalties; otherwise the caller must not apply SGLang's step again."""
+    orch = orchestrator_of(info)
+    if orch is None:
+        return False
+    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+    bs, n = candidates.shape
+    fix = _fix_ups(candidates, rows)  # positions whose state differs from the round's start
+    raw = logits[fix["row"] * n + fix["pos"], fix["token"]] if fix is not None else None
+    # SGLang's relaxed step (eagle_sample), for every position
+    if info.acc_additive_penalties is not None:
+        logits.add_(torch.repeat_interleave(info.acc_additive_penalties, n, dim=0))
+    if info.acc_scaling_penalties is not None:
+        apply_scaling_penalties(logits, torch.repeat_interleave(info.acc_scaling_penalties, n, dim=0))
+    if fix is None:
+        return True
+    b, tok, count = fix["row"], fix["token"], fix["count"]
+    acc = torch.zeros_like(raw)
+    scale = None
+    for kind, pen in _penalizers(orch):  # each penalizer's own operation, in the orchestrator's order
+        if kind == "frequency":
+            state, step = pen.cumulated_frequency_penalties[b, tok], pen.frequency_penalties[b, 0]
+            for k in range(int(count.max())):
+                state = torch.where(count > k, state + step, state)
+            acc = acc - state
+        elif kind == "presence":
+            acc = acc - torch.where(count > 0, pen.presence_penalties[b, 0], pen.cumulated_presence_penalties[b, tok])
+        elif kind == "min_new_tokens":
+            held = (pen.len_output_tokens[b, 0] < pen.min_new_tokens[b, 0])
+            acc = acc + torch.where(held, pen.stop_token_penalties[b, tok], 0.0)
+        else:
+            rep = torch.where(count > 0, pen.repetition_penalties[b, 0], pen.cumulated_repetition_penalties[b, tok])
+            scale = rep if scale is None else scale * rep
+    value = (raw + acc)[None, :]  # logits.add_(acc_additive_penalties)
+    if scale is not None:
+        apply_scaling_penalties(value, scale[None, :])
+    logits[b * n + fix["pos"], tok] = value[0]
+    return True
+
+
+def _fix_ups(candidates: torch.Tensor, rows):
+    """For each of ``rows`` and each position i >= 1, every distinct draft among its drafts
+    1..i with how often it occurs there: {row, pos, token, count} as device tensors, or None."""
+    if not rows or candidates.shape[1] < 2:
+        return None
+    host = candidates[list(rows)].tolist()
+    row, pos, token, count = [], [], [], []
+    for b, run in zip(rows, host):
+        seen: dict[int, int] = {}
+        for i in range(1, len(run)):
+            seen[run[i]] = seen.get(run[i], 0) + 1
+            for t, c in seen.items():
+                row.append(b)
+                pos.append(i)
+                token.append(t)
+                count.append(c)
+    device = candidates.device
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    return {"row": as_tensor(row), "pos": as_tensor(pos), "token": as_tensor(token), "count": as_tensor(count)}
+
+
+class DraftPenalty:
+    """Penalties on a round's draft steps, so penalized requests' drafts follow what their
+    verify will pick: the round's starting state (SGLang's accumulated tensors), then each
+    drafted token counted as decoding would count it for frequency and repetition. Drafts
+    are proposals the verify checks, so this only steers them (presence is not updated
+    within a round); it never changes an output."""
+
+    def __init__(self, info, rows: list[int], reqs):
+        index = torch.tensor(rows, dtype=torch.int64, device=info.temperatures.device)
+        self.add = None if info.acc_additive_penalties is None else info.acc_additive_penalties[index].clone()
+        self.scale = None if info.acc_scaling_penalties is None else info.acc_scaling_penalties[index].clone()
+        params = [reqs[b].sampling_params for b in rows]
+        column = lambda xs: torch.tensor(xs, dtype=torch.float32, device=index.device)[:, None]  # noqa: E731
+        self.frequency = column([p.frequency_penalty or 0.0 for p in params])
+        self.repetition = column([p.repetition_penalty or 1.0 for p in params])
+
+    @classmethod
+    def of(cls, info, rows: list[int], reqs):
+        """None where the batch carries no penalties."""
+        if info.acc_additive_penalties is None and info.acc_scaling_penalties is None:
+            return None
+        return cls(info, rows, reqs)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, V] draft logits, penalized (a new tensor in fp32)."""
+        from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+        out = logits.float()
+        out = out + self.add if self.add is not None else out.clone()
+        if self.scale is not None:
+            apply_scaling_penalties(out, self.scale)
+        return out
+
+    def count(self, tokens: torch.Tensor) -> None:
+        """The step drafted ``tokens`` [rows]: the next step is penalized for them too."""
+        index = tokens.to(torch.int64)[:, None]
+        if self.add is not None:
+            self.add.scatter_add_(1, index, -self.frequency)
+        if self.scale is not None:
+            self.scale.scatter_(1, index, self.repetition)

@@ -1,0 +1,204 @@
+"""Penalties position by position (``sglang.penalties``), against SGLang's own penalizers
+fed one token at a time, as decoding feeds them: every verified position's penalized
+logits bit-equal to a decode step's at that point, and the state after a round equal to
+the state after decoding its tokens."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as N
+
+import pytest
+import torch
+
+VOCAB, WIDTH = 40, 6
+
+
+class _Batch:
+    def __init__(self, reqs):
+        self.reqs, self.device = reqs, "cpu"
+
+
+def _orchestrator(reqs):
+    from sglang.srt.sampling import penaltylib
+
+    batch = _Batch(reqs)
+    kinds = [penaltylib.BatchedFrequencyPenalizer, penaltylib.BatchedMinNewTokensPenalizer,
+             penaltylib.BatchedPresencePenalizer, penaltylib.BatchedRepetitionPenalizer]  # install_penalty_order's order
+    orch = penaltylib.BatchedPenalizerOrchestrator(VOCAB, batch, kinds)
+    orch._test_batch = batch  # the orchestrator holds its batch weakly
+    return orch
+
+
+def _reqs():
+    tok = N(eos_token_id=1, additional_stop_token_ids=None)
+    rows = [
+        dict(frequency_penalty=0.7, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0),
+        dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.3, min_new_tokens=0),
+        dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0),  # none
+        dict(frequency_penalty=0.45, presence_penalty=0.6, repetition_penalty=1.15, min_new_tokens=2),  # all, min met
+        dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=50),  # held back
+    ]
+    return [N(sampling_params=N(stop_token_ids=None, **r), eos_token_ids={1}, tokenizer=tok, output_ids=[],
+              retraction_count=0) for r in rows]
+
+
+def _accumulated(orch):
+    """update_penalties' tensors: what SGLang's verify and decode add and scale by."""
+    add = torch.zeros((len(orch.reqs()), VOCAB), dtype=torch.float32)
+    orch.accumulate_additive_penalties(add)
+    return add, orch.accumulate_scaling_penalties()
+
+
+def _decode_logits(raw_row, orch, b):
+    """Row b's logits as a decode step penalizes them under ``orch``'s state."""
+    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+    add, scale = _accumulated(orch)
+    x = raw_row.clone()[None, :]
+    x.add_(add[b : b + 1])
+    if scale is not None:
+        apply_scaling_penalties(x, scale[b : b + 1])
+    return x[0]
+
+
+def _feed(orch, reqs, tokens):
+    for t in tokens:  # one token for every row a step, as decode's cumulate
+        orch.cumulate_output_tokens(torch.tensor(t, dtype=torch.int64))
+        for req, tok in zip(reqs, t):
+            req.output_ids.append(tok)
+
+
+def test_each_verified_position_is_penalized_as_a_decode_step_there():
+    """A round's drafts repeat tokens of the history and of each other (so frequency counts
+    pass 1 and presence / repetition switch on mid-round). Position i of every penalized
+    row equals, bit for bit, SGLang's decode penalties after the history and drafts 1..i;
+    the relaxed step SGLang applies (the round's start for every position) differs."""
+    from sgl_vericache.sglang.penalties import penalize_positions
+
+    gen = torch.Generator().manual_seed(3)
+    history = torch.randint(2, VOCAB, (7, 5), generator=gen).tolist()
+    history[3] = [9, 9, 9, 9, 9]
+    candidates = torch.tensor([
+        [history[-1][0], 9, 12, 9, 9, 30],
+        [history[-1][1], 12, 12, 5, 9, 5],
+        [history[-1][2], 3, 4, 5, 6, 7],
+        [history[-1][3], 9, 30, 30, 12, 9],
+        [history[-1][4], 8, 8, 8, 8, 8],
+    ])
+    raw = 4 * torch.randn(len(candidates) * WIDTH, VOCAB, generator=gen)
+    raw[:, 9] = raw[:, 9].abs()  # positive and negative logits take the two sides of the scaling
+    raw[:, 12] = -raw[:, 12].abs()
+    reqs = _reqs()
+    start = _orchestrator(reqs)
+    _feed(start, reqs, history)
+    add, scale = _accumulated(start)
+    info = N(penalizer_orchestrator=start, acc_additive_penalties=add, acc_scaling_penalties=scale)
+    rows = [0, 1, 3]  # penalized; row 2 has no penalties, row 4 only min_new_tokens (it drafts nothing)
+    ours = raw.clone()
+    assert penalize_positions(info, ours, candidates, rows)
+    relaxed = raw.clone()
+    relaxed.add_(torch.repeat_interleave(add, WIDTH, dim=0))
+    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+    apply_scaling_penalties(relaxed, torch.repeat_interleave(scale, WIDTH, dim=0))
+    differs = 0
+    for i in range(WIDTH):
+        ref_reqs = _reqs()
+        ref = _orchestrator(ref_reqs)
+        _feed(ref, ref_reqs, history + [candidates[:, j].tolist() for j in range(1, i + 1)])
+        for b in range(len(candidates)):
+            if b == 4 and i > 0:
+                continue  # held by min_new_tokens: one token a round, position 0 only
+            want = _decode_logits(raw[b * WIDTH + i], ref, b)
+            assert torch.equal(ours[b * WIDTH + i], want), (b, i)
+            differs += not torch.equal(relaxed[b * WIDTH + i], want)
+    assert differs >= 10  # negative control: SGLang's relaxed step is not a decode step's
+
+
+def test_a_batch_without_penalties_is_left_to_sglang():
+    from sgl_vericache.sglang.penalties import penalize_positions
+
+    reqs = [r for r in _reqs() if r.sampling_params.repetition_penalty == 1.0 and not r.sampling_params.frequency_penalty
+            and not r.sampling_params.min_new_tokens]
+    orch = _orchestrator(reqs)
+    logits = torch.randn(WIDTH, VOCAB)
+    before = logits.clone()
+    info = N(penalizer_orchestrator=None, acc_additive_penalties=None, acc_scaling_penalties=None)
+    info.__dict__["vericache_penalizers"] = orch  # a forward copy's reference
+    assert not penalize_positions(info, logits, torch.zeros((1, WIDTH), dtype=torch.int64), [0])
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("retracted", [False, True])
+def test_the_state_after_a_round_is_decodings(retracted):
+    """After a round that accepted several tokens, SGLang adds the last one (its cumulate)
+    and catch_up the rest: every penalizer's state equals the state after decoding them one
+    at a time (each row against a one-row orchestrator fed its own tokens). A request
+    retracted since its round restarts from zero (SGLang's rule, speculation on or off), so
+    catch_up adds nothing for it."""
+    from sgl_vericache.sglang.penalties import catch_up, mark_round
+
+    gen = torch.Generator().manual_seed(5)
+    history = torch.randint(2, VOCAB, (4, 5), generator=gen).tolist()
+    runs = [[9, 9, 12, 9], [12], [3, 4], [30, 9, 30], [8]]  # accepted this round, per row
+    reqs = _reqs()
+    orch = _orchestrator(reqs)
+    _feed(orch, reqs, history)
+    mark_round(reqs, range(len(reqs)))
+    for req, run in zip(reqs, runs):
+        req.output_ids.extend(run)
+    if retracted:
+        reqs[0].retraction_count += 1
+    orch.cumulate_output_tokens(torch.tensor([r[-1] for r in runs]))  # SGLang's own, before the next forward
+    catch_up(orch, reqs)
+    names = ("cumulated_frequency_penalties", "cumulated_presence_penalties", "cumulated_repetition_penalties",
+             "len_output_tokens")
+    compared = 0
+    for b, run in enumerate(runs):
+        ref_req = _reqs()[b]
+        ref = _orchestrator([ref_req])
+        decoded = [row[b] for row in history] + (run[-1:] if retracted and b == 0 else run)
+        _feed(ref, [ref_req], [[t] for t in decoded])
+        for cls, pen in ref.penalizers.items():
+            if not pen.is_prepared():
+                continue
+            for name in names:
+                if hasattr(pen, name):
+                    assert torch.equal(getattr(orch.penalizers[cls], name)[b], getattr(pen, name)[0]), (b, name)
+                    compared += 1
+    assert compared == 7  # row 0 frequency, 1 repetition, 3 all four, 4 min_new_tokens
+    if not retracted:  # negative control: SGLang's own cumulate alone (its relaxed rule) is not decoding's
+        reqs2 = _reqs()
+        lone = _orchestrator(reqs2)
+        _feed(lone, reqs2, history)
+        lone.cumulate_output_tokens(torch.tensor([r[-1] for r in runs]))
+        pens = list(lone.penalizers.values())
+        assert not all(torch.equal(getattr(p, n), getattr(q, n)) for p, q in zip(pens, orch.penalizers.values())
+                       if p.is_prepared() for n in names if hasattr(p, n))
+
+
+def test_draft_steps_are_steered_by_frequency_and_repetition_as_decoding():
+    """The draft side (proposals only): starting from the round's accumulated tensors, each
+    drafted token counted for frequency and repetition gives, for rows with those penalties,
+    a decode step's penalized logits after the same tokens."""
+    from sgl_vericache.sglang.penalties import DraftPenalty
+
+    gen = torch.Generator().manual_seed(8)
+    history = torch.randint(2, VOCAB, (5, 5), generator=gen).tolist()
+    drafted = [[9, 9, 12, 9, 3], [12, 12, 5, 30, 30], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    reqs = _reqs()
+    start = _orchestrator(reqs)
+    _feed(start, reqs, history)
+    add, scale = _accumulated(start)
+    info = N(acc_additive_penalties=add, acc_scaling_penalties=scale, temperatures=torch.ones(5, 1))
+    penalty = DraftPenalty.of(info, [0, 1], reqs)
+    for step in range(len(drafted[0]) + 1):
+        raw = 5 * torch.randn(2, VOCAB, generator=gen)
+        ref_reqs = _reqs()
+        ref = _orchestrator(ref_reqs)
+        _feed(ref, ref_reqs, history + [[row[j] for row in drafted] for j in range(step)])
+        got = penalty.apply(raw)
+        for r in range(2):
+            assert torch.equal(got[r], _decode_logits(raw[r], ref, r)), (step, r)
+        if step < len(drafted[0]):
+            penalty.count(torch.tensor([drafted[0][step], drafted[1][step]]))
+    assert DraftPenalty.of(N(acc_additive_penalties=None, acc_scaling_penalties=None), [0], reqs) is None
