@@ -151,7 +151,10 @@ def start_engines(model_path: str, cfg: DecodeConfig, max_draft_len: int, max_co
     per_request = max_context + cfg.max_new_tokens + max_draft_len + 64
     common = dict(enable_metrics=True, max_total_tokens=max(8192, max(cfg.batches) * per_request + 256))
     env = {"SGLANG_USE_CPU_ENGINE": "1"}
-    off = DecodeEngine(model_path, env, **common)
+    # with penalties, the off arm runs without the overlap scheduler, as VeriCache does: SGLang's
+    # overlap scheduler adds each output token to the penalty state one step late (ids differ)
+    off = DecodeEngine(model_path, env, **common, **({"disable_overlap_schedule": True}
+                                                      if cfg.repetition_penalty != 1.0 else {}))
     VeriCacheConfig(compressor=cfg.compressors[0], ratio=cfg.ratio, draft_len=max_draft_len,
                     draft_weights=cfg.draft_weights).to_env()
     spec = DecodeEngine(model_path, env, speculative_algorithm="VERICACHE", speculative_num_draft_tokens=max_draft_len + 1,
@@ -352,7 +355,10 @@ def describe(cfg, model_path, draft_lens, contexts, prompts, common, ready) -> d
         "prompts": "filler_text() (code file + tool-call transcript) cut to length, then a test/prompts.py "
                    "code or tool question; chat template included",
         "engine": {**ENGINE_KW, **common, "verify_width": max(draft_lens) + 1, "radix_cache": True,
-                   "vericache_arm": "speculative_algorithm=VERICACHE, otherwise identical flags"},
+                   "vericache_arm": "speculative_algorithm=VERICACHE, otherwise identical flags",
+                   "off_arm": ("disable_overlap_schedule=True, as the VERICACHE arm (with penalties, SGLang's "
+                               "overlap scheduler penalizes each token one step late)")
+                   if cfg.repetition_penalty != 1.0 else "SGLang's defaults (overlap scheduler)"},
         "counters": "prometheus multiprocess files" if ready[1] and ready[1].get("prometheus_dir") else "unavailable",
         "tok_s": "decode tok/s: (completion tokens - 1 per request) / (last finish - last first token)",
         "time_split_note": "seconds per timed run of the VeriCache arm's decode window; draft and verify from the "

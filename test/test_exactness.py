@@ -114,6 +114,9 @@ def penalized_params(greedy):
         {"max_new_tokens": 40, "temperature": 0, "repetition_penalty": 1.3},
         {"max_new_tokens": 40, "temperature": 0, "stop_token_ids": [greedy[2][10]], "min_new_tokens": 24},
         {"max_new_tokens": 40, "temperature": 0.8, "sampling_seed": 5, "presence_penalty": 0.5},
+        # both additive penalties: decoding applies them one after the other, SGLang's verify
+        # and a speculating engine's plain steps summed them first (an ulp apart)
+        {"max_new_tokens": 40, "temperature": 0, "frequency_penalty": 0.6, "presence_penalty": 0.7},
     ]
 
 
@@ -133,7 +136,7 @@ def penalized_inputs(tok, ids):
     """(input ids, params) of the requests beside the penalized CI prompts: the repeating
     texts' and a grammar-constrained one."""
     repeating = [tok(t)["input_ids"] for t in REPEATING_TEXTS]
-    return ids[:4] + repeating + [ids[5]], [REPEATING_PARAMS] * len(repeating) + [GRAMMAR_PARAMS]
+    return ids[:5] + repeating + [ids[5]], [REPEATING_PARAMS] * len(repeating) + [GRAMMAR_PARAMS]
 
 
 CONVERSATION_TURNS = 10
@@ -405,7 +408,7 @@ def test_penalized_sampling_is_token_identical(reference, steady_engine, default
 
     ids, repeating = penalized_inputs(AutoTokenizer.from_pretrained(default_model_path),
                                       _input_ids(default_model_path, CI_PROMPTS[:6]))
-    params = [_with_vc(p, "kivi4", 8) for p in penalized_params(reference[:4]) + repeating]
+    params = [_with_vc(p, "kivi4", 8) for p in penalized_params(reference[:5]) + repeating]
     outs = steady_engine.generate(input_ids=ids + ids[:1], sampling_params=params + [
         _with_vc({"max_new_tokens": 40, "temperature": 0}, "kivi4", 8)])
     for i, (out, want) in enumerate(zip(outs, reference.extra["penalized"])):
@@ -415,7 +418,7 @@ def test_penalized_sampling_is_token_identical(reference, steady_engine, default
     assert outs[-1]["output_ids"] == reference[0][:40]
     assert outs[-1]["meta_info"]["spec_verify_ct"] < 40  # the unpenalized row still drafted
     rounds = [(len(o["output_ids"]), o["meta_info"]["spec_verify_ct"]) for o in outs]
-    assert all(rounds[i][1] < rounds[i][0] for i in (0, 1, 3, 4, 5)), rounds  # penalized rows drafted
+    assert all(rounds[i][1] < rounds[i][0] for i in (0, 1, 3, 4, 5, 6)), rounds  # penalized rows drafted
 
 
 def test_stop_conditions_inside_drafts(reference, vc_engine, default_model_path):

@@ -50,15 +50,23 @@ def _accumulated(orch):
 
 
 def _decode_logits(raw_row, orch, b):
-    """Row b's logits as a decode step penalizes them under ``orch``'s state."""
+    """Row b's logits as a decode step penalizes them under ``orch``'s state: SGLang without
+    the overlap scheduler calls ``orchestrator.apply`` on the batch's logits (penalizer by
+    penalizer, in place)."""
+    x = torch.zeros(len(orch.reqs()), VOCAB)
+    x[b] = raw_row
+    orch.apply(x)
+    return x[b]
+
+
+def _relaxed(raw, add, scale, n):
+    """SGLang's verify (eagle_sample): the round's starting sums, for every position."""
     from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
 
-    add, scale = _accumulated(orch)
-    x = raw_row.clone()[None, :]
-    x.add_(add[b : b + 1])
-    if scale is not None:
-        apply_scaling_penalties(x, scale[b : b + 1])
-    return x[0]
+    out = raw.clone()
+    out.add_(torch.repeat_interleave(add, n, dim=0))
+    apply_scaling_penalties(out, torch.repeat_interleave(scale, n, dim=0))
+    return out
 
 
 def _feed(orch, reqs, tokens):
@@ -96,10 +104,7 @@ def test_each_verified_position_is_penalized_as_a_decode_step_there():
     rows = [0, 1, 3]  # penalized; row 2 has no penalties, row 4 only min_new_tokens (it drafts nothing)
     ours = raw.clone()
     assert penalize_positions(info, ours, candidates, rows)
-    relaxed = raw.clone()
-    relaxed.add_(torch.repeat_interleave(add, WIDTH, dim=0))
-    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
-    apply_scaling_penalties(relaxed, torch.repeat_interleave(scale, WIDTH, dim=0))
+    relaxed = _relaxed(raw, add, scale, WIDTH)
     differs = 0
     for i in range(WIDTH):
         ref_reqs = _reqs()
@@ -112,6 +117,36 @@ def test_each_verified_position_is_penalized_as_a_decode_step_there():
             assert torch.equal(ours[b * WIDTH + i], want), (b, i)
             differs += not torch.equal(relaxed[b * WIDTH + i], want)
     assert differs >= 10  # negative control: SGLang's relaxed step is not a decode step's
+    # row 3 has a frequency and a presence penalty: even at position 0 (the round's starting
+    # state) SGLang's sum of the two differs from decoding's one after the other
+    assert not torch.equal(relaxed[3 * WIDTH], ours[3 * WIDTH])
+
+
+def test_a_plain_iteration_penalizes_as_decoding():
+    """An iteration VERICACHE runs as a plain decode step forwards SGLang's copy of the
+    sampling state, which carries the sum of the additive penalties; the hook applies the
+    penalizers one by one instead, as decoding does (bit-equal; the sum is not)."""
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    from sgl_vericache.sglang.penalties import install_penalties_per_position
+    from sgl_vericache.sglang.runtime import Runtime
+
+    install_penalties_per_position(Runtime())
+    gen = torch.Generator().manual_seed(4)
+    reqs = _reqs()
+    orch = _orchestrator(reqs)
+    _feed(orch, reqs, torch.randint(2, VOCAB, (9, 5), generator=gen).tolist())
+    add, scale = _accumulated(orch)
+    info = SamplingBatchInfo.__new__(SamplingBatchInfo)
+    info.__dict__.update(penalizer_orchestrator=None, acc_additive_penalties=add, acc_scaling_penalties=scale)
+    info.__dict__["vericache_penalizers"] = orch  # what the copy_for_forward hook leaves on the copy
+    raw = 4 * torch.randn(5, VOCAB, generator=gen)
+    ours = raw.clone()
+    info._apply_pre_grammar_logits_transforms(ours)
+    want = raw.clone()
+    orch.apply(want)
+    assert torch.equal(ours, want)
+    assert not torch.equal(_relaxed(raw, add, scale, 1), want)  # the copy's sums: what SGLang would do
 
 
 def test_a_batch_without_penalties_is_left_to_sglang():

@@ -11,7 +11,11 @@ decoding does, so a penalized request can draft instead of emitting one token an
 
 - ``SamplingBatchInfo.copy_for_forward``: the forward's copy of a batch's sampling state
   keeps a reference to the orchestrator it was taken from (SGLang drops it), so the verify
-  can read each penalizer's own state;
+  can read each penalizer's own state; and ``_apply_pre_grammar_logits_transforms`` then
+  applies the penalizers one by one (``orchestrator.apply``) in an iteration VERICACHE runs
+  as a plain decode step, as decoding does, instead of the copy's sum of the additive
+  penalties (under speculation SGLang always forwards a copy; the sum differs from
+  decoding's order by an ulp where a request has a frequency and a presence penalty);
 - ``penalize_positions`` (called by the verify hook in ``sampling``): every position's
   logits get the state decoding would have there, the round's start plus the drafts before
   the position, computed with the penalizers' own operations in their order (so the values
@@ -55,7 +59,17 @@ def install_penalties_per_position(runtime: Runtime) -> None:
 
         return cumulate_penalty_output_tokens
 
+    def make_transforms(original):
+        def _apply_pre_grammar_logits_transforms(self, logits):
+            orch = self.__dict__.get(_ORCHESTRATOR)
+            if orch is None or not orch.is_required or self.acc_additive_penalties is None:
+                return original(self, logits)
+            orch.apply(logits)  # decoding's own order, not the forward copy's sum of the additive ones
+
+        return _apply_pre_grammar_logits_transforms
+
     patch(SamplingBatchInfo, "copy_for_forward", runtime, make_copy)
+    patch(SamplingBatchInfo, "_apply_pre_grammar_logits_transforms", runtime, make_transforms)
     patch(ScheduleBatch, "cumulate_penalty_output_tokens", runtime, make_cumulate)
 
 
@@ -129,46 +143,62 @@ def catch_up(orch, reqs) -> None:
 def penalize_positions(info, logits: torch.Tensor, candidates: torch.Tensor, rows) -> bool:
     """Penalize a verify's logits ([bs * n, V], in place) as decoding would at each position:
     row b's position i under the round's starting state plus its drafts 1..i
-    (``candidates`` [bs, n]: the root, then the drafts). Rows not in ``rows`` get the round's
-    starting state, as SGLang's relaxed step gives them. Returns False (nothing done) where
-    the batch has no penalties; otherwise the caller must not apply SGLang's step again."""
+    (``candidates`` [bs, n]: the root, then the drafts), for the rows in ``rows``; every
+    other row under the round's starting state. As decoding does (SGLang without the
+    overlap scheduler: ``penalizer_orchestrator.apply``), penalizer by penalizer in place,
+    not SGLang's verify's sum of the additive penalties (which differs by an ulp where a
+    request has a frequency and a presence penalty). Returns False (nothing done) where the
+    batch has no penalties; otherwise the caller must not apply SGLang's step again."""
     orch = orchestrator_of(info)
     if orch is None:
         return False
-    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
-
-    bs, n = candidates.shape
+    n = candidates.shape[1]
+    pens = _penalizers(orch)
     fix = _fix_ups(candidates, rows)  # positions whose state differs from the round's start
     raw = logits[fix["row"] * n + fix["pos"], fix["token"]] if fix is not None else None
-    # SGLang's relaxed step (eagle_sample), for every position
-    if info.acc_additive_penalties is not None:
-        logits.add_(torch.repeat_interleave(info.acc_additive_penalties, n, dim=0))
-    if info.acc_scaling_penalties is not None:
-        apply_scaling_penalties(logits, torch.repeat_interleave(info.acc_scaling_penalties, n, dim=0))
+    _apply_in_order(pens, logits, n)
     if fix is None:
         return True
     b, tok, count = fix["row"], fix["token"], fix["count"]
-    acc = torch.zeros_like(raw)
-    scale = None
-    for kind, pen in _penalizers(orch):  # each penalizer's own operation, in the orchestrator's order
+    value = raw
+    for kind, pen in pens:  # each penalizer's own operation, in the orchestrator's order
         if kind == "frequency":
             state, step = pen.cumulated_frequency_penalties[b, tok], pen.frequency_penalties[b, 0]
             for k in range(int(count.max())):
                 state = torch.where(count > k, state + step, state)
-            acc = acc - state
+            value = value - state
         elif kind == "presence":
-            acc = acc - torch.where(count > 0, pen.presence_penalties[b, 0], pen.cumulated_presence_penalties[b, tok])
+            value = value - torch.where(count > 0, pen.presence_penalties[b, 0], pen.cumulated_presence_penalties[b, tok])
         elif kind == "min_new_tokens":
-            held = (pen.len_output_tokens[b, 0] < pen.min_new_tokens[b, 0])
-            acc = acc + torch.where(held, pen.stop_token_penalties[b, tok], 0.0)
+            held = pen.len_output_tokens[b, 0] < pen.min_new_tokens[b, 0]
+            value = value + torch.where(held, pen.stop_token_penalties[b, tok], 0.0)
         else:
             rep = torch.where(count > 0, pen.repetition_penalties[b, 0], pen.cumulated_repetition_penalties[b, tok])
-            scale = rep if scale is None else scale * rep
-    value = (raw + acc)[None, :]  # logits.add_(acc_additive_penalties)
-    if scale is not None:
-        apply_scaling_penalties(value, scale[None, :])
-    logits[b * n + fix["pos"], tok] = value[0]
+            value = value[None, :].clone()
+            _scale(value, rep[None, :])
+            value = value[0]
+    logits[b * n + fix["pos"], tok] = value
     return True
+
+
+def _scale(logits, scaling) -> None:
+    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+    apply_scaling_penalties(logits, scaling)
+
+
+def _apply_in_order(pens, logits: torch.Tensor, n: int) -> None:
+    """Each penalizer's own ``_apply`` on logits laid out n rows a request: its state repeated."""
+    rep = lambda state: torch.repeat_interleave(state, n, dim=0)  # noqa: E731
+    for kind, pen in pens:
+        if kind == "frequency":
+            logits.sub_(rep(pen.cumulated_frequency_penalties))
+        elif kind == "presence":
+            logits.sub_(rep(pen.cumulated_presence_penalties))
+        elif kind == "min_new_tokens":
+            logits.add_(rep(torch.where(pen.len_output_tokens < pen.min_new_tokens, pen.stop_token_penalties, 0.0)))
+        else:
+            _scale(logits, rep(pen.cumulated_repetition_penalties))
 
 
 def _fix_ups(candidates: torch.Tensor, rows):

@@ -32,7 +32,7 @@ class Row:
     draft_len: Optional[int] = None  # its own custom_params draft length (it then always drafts that)
     queued: bool = False  # drafts made ahead wait for it: a round costs it no draft steps
     remaining: Optional[int] = None  # tokens it may still emit (max_new_tokens less its output), None: unknown
-    one_token: bool = False  # it drafts nothing, one token a round (plan.one_token_at_a_time: penalties)
+    one_token: bool = False  # it drafts nothing, one token a round (plan.one_token_at_a_time: min_new_tokens)
 
 
 class OnlineLinear:
