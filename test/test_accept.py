@@ -708,6 +708,45 @@ def test_stop_strings_end_a_run_where_decoding_ends(params, stream, width):
         assert _in_rounds(params, stream, width, cap=False) != decoded
 
 
+class _ByteTok(_Tok):
+    """Byte-level pieces: 5 and 6 are the two bytes of "\u00e9", so a window ending between
+    them decodes to U+FFFD (as a byte-level BPE tokenizer's would)."""
+    vocab = {0: b"a", 1: b"b", 2: b"</s>", 3: b"\n", 4: b"c", 5: b"\xc3", 6: b"\xa9"}
+
+    def decode(self, ids, **kw):
+        return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("width", [3, 5])
+def test_a_stop_string_a_step_sees_inside_a_character_ends_the_run_there(width):
+    """A decode step's window can end inside a character: its text ends in U+FFFD, which the
+    run's longer window completes. A stop string holding U+FFFD is checked step by step."""
+    from sgl_vericache.sglang import sampling
+
+    stream, params = [0, 5, 6, 1, 0, 1], {"stop": ["\ufffd"]}
+    tok = _ByteTok()
+
+    def req():
+        r = _req(**params)
+        r.tokenizer, r.vocab_size = tok, len(tok.vocab)
+        return r
+
+    decoded = req()
+    reason, length = _finish(decoded, stream, at_once=False)
+    assert (reason, length, decoded.finished_reason.matched) == ("FINISH_MATCHED_STR", 2, "\ufffd")  # after 0xc3
+    r, at = req(), 0
+    while not r.finished() and at < len(stream):
+        verified = _verified([stream[at : at + width]], width)
+        sampling.cap_acceptance(verified, (), (), [r])
+        predict, lens, index = verified
+        kept = predict[index[0, : lens[0]].long()].tolist()
+        r.output_ids.extend(kept)
+        r.update_finish_state(len(kept))
+        at += len(kept)
+    assert (type(r.finished_reason).__name__, r.finished_len) == (reason, length)
+    assert sampling.string_stop_cut(req(), [0, 5, 7]) == 3  # an id past the vocabulary: left to SGLang
+
+
 def test_stop_string_cut_leaves_ordinary_runs_whole():
     """A run in which neither decoding nor the run's check finds a stop string is accepted
     whole, and a stop string inside a run ends it after its last token, as decoding does."""

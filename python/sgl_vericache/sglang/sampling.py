@@ -228,18 +228,27 @@ def string_stop_cut(req, run) -> int:
     would stop at too early. A stop string found by a decode step lies in the run's text as
     well (a tokenizer alters a window's first characters only: a leading space, a partial
     UTF-8 character), so a run whose check finds none needs no step-by-step one; stop regexes
-    can anchor at a window's start and are always checked step by step. Tokens past
-    ``max_new_tokens`` are not accepted: decoding never makes them."""
+    can anchor at a window's start, and a step's window can end inside a character (text
+    ending in U+FFFD that the run's longer window completes), so stop regexes and stop
+    strings holding U+FFFD are always checked step by step. Tokens past ``max_new_tokens``
+    are not accepted: decoding never makes them. The checks read only the output's last
+    tokens the longest window reaches; a run holding ids outside the vocabulary is left to
+    SGLang (it ends such a request before decoding them)."""
     params = req.sampling_params
-    if not (params.stop_strs or getattr(params, "stop_regex_strs", None)) or getattr(req, "tokenizer", None) is None:
+    regexes = getattr(params, "stop_regex_strs", None)
+    if not (params.stop_strs or regexes) or getattr(req, "tokenizer", None) is None:
         return len(run)
-    prior = list(req.output_ids)
+    vocab = getattr(req, "vocab_size", None)
+    if any(t < 0 or (vocab is not None and t >= vocab) for t in run):
+        return len(run)
     cap = params.max_new_tokens
-    n = len(run) if cap is None else max(1, min(len(run), cap - len(prior)))
+    n = len(run) if cap is None else max(1, min(len(run), cap - len(req.output_ids)))
     if n < 2:
         return n
+    reach = max(params.stop_str_max_len, getattr(params, "stop_regex_max_len", 0) or 0) + 1  # a step's window
+    prior = list(req.output_ids[-reach:])  # what the longest window reads before the run (lengths stay relative)
     whole = _string_finish(req, prior + run[:n], n)
-    if whole is None and not getattr(params, "stop_regex_strs", None):
+    if whole is None and not regexes and not any("\ufffd" in stop for stop in params.stop_strs):
         return n
     stop_at, step = n, None
     for j in range(n):
