@@ -227,7 +227,8 @@ def string_stop_cut(req, run) -> int:
     stops at if the run's check then agrees, else before the first token the run's check
     would stop at too early. A stop string found by a decode step lies in the run's text as
     well (a tokenizer alters a window's first characters only: a leading space, a partial
-    UTF-8 character), so a run whose check finds none needs no step-by-step one; stop regexes
+    UTF-8 character), so a run whose check finds none needs no step-by-step one (nor a lone
+    stop regex whose windows all start at the output's first token); stop regexes
     can anchor at a window's start, and a step's window can end inside a character (text
     ending in U+FFFD that the run's longer window completes), so stop regexes and stop
     strings holding U+FFFD are always checked step by step. Tokens past ``max_new_tokens``
@@ -246,6 +247,10 @@ def string_stop_cut(req, run) -> int:
     if n < 2:
         return n
     reach = max(params.stop_str_max_len, getattr(params, "stop_regex_max_len", 0) or 0) + 1  # a step's window
+    if not params.stop_strs and len(regexes) == 1 and len(req.output_ids) + n <= reach:
+        # every window starts at the output's first token (a regex without a length bound: all
+        # of them): the run's check tries each step's whole text itself, as decoding would
+        return n
     prior = list(req.output_ids[-reach:])  # what the longest window reads before the run (lengths stay relative)
     whole = _string_finish(req, prior + run[:n], n)
     if whole is None and not regexes and not any("\ufffd" in stop for stop in params.stop_strs):
