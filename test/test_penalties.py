@@ -211,10 +211,11 @@ def test_the_state_after_a_round_is_decodings(retracted):
                        if p.is_prepared() for n in names if hasattr(p, n))
 
 
-def test_draft_steps_are_steered_by_frequency_and_repetition_as_decoding():
+def test_draft_steps_are_steered_by_the_penalties_as_decoding():
     """The draft side (proposals only): starting from the round's accumulated tensors, each
     drafted token counted for frequency and repetition gives, for rows with those penalties,
-    a decode step's penalized logits after the same tokens."""
+    a decode step's penalized logits after the same tokens; with presence too (tokens new to
+    the history among them), the same within an ulp."""
     from sgl_vericache.sglang.penalties import DraftPenalty
 
     gen = torch.Generator().manual_seed(8)
@@ -224,16 +225,21 @@ def test_draft_steps_are_steered_by_frequency_and_repetition_as_decoding():
     start = _orchestrator(reqs)
     _feed(start, reqs, history)
     add, scale = _accumulated(start)
-    info = N(acc_additive_penalties=add, acc_scaling_penalties=scale, temperatures=torch.ones(5, 1))
-    penalty = DraftPenalty.of(info, [0, 1], reqs)
+    drafted[3] = [9, 31, 9, 31, 5]  # frequency, presence and repetition: tokens new to the history too
+    info = N(acc_additive_penalties=add, acc_scaling_penalties=scale, temperatures=torch.ones(5, 1),
+             penalizer_orchestrator=start)
+    penalty = DraftPenalty.of(info, [0, 1, 3], reqs)
     for step in range(len(drafted[0]) + 1):
-        raw = 5 * torch.randn(2, VOCAB, generator=gen)
+        raw = 5 * torch.randn(3, VOCAB, generator=gen)
         ref_reqs = _reqs()
         ref = _orchestrator(ref_reqs)
         _feed(ref, ref_reqs, history + [[row[j] for row in drafted] for j in range(step)])
         got = penalty.apply(raw)
-        for r in range(2):
-            assert torch.equal(got[r], _decode_logits(raw[r], ref, r)), (step, r)
+        for r, b in enumerate((0, 1)):
+            assert torch.equal(got[r], _decode_logits(raw[r], ref, b)), (step, b)
+        # row 3: the additive penalties summed (SGLang's verify's way): within an ulp of decoding's
+        want = _decode_logits(raw[2], ref, 3)
+        assert torch.allclose(got[2], want, rtol=1e-6, atol=1e-6) and got[2].argmax() == want.argmax(), step
         if step < len(drafted[0]):
-            penalty.count(torch.tensor([drafted[0][step], drafted[1][step]]))
+            penalty.count(torch.tensor([drafted[0][step], drafted[1][step], drafted[3][step]]))
     assert DraftPenalty.of(N(acc_additive_penalties=None, acc_scaling_penalties=None), [0], reqs) is None

@@ -225,9 +225,10 @@ def _fix_ups(candidates: torch.Tensor, rows):
 class DraftPenalty:
     """Penalties on a round's draft steps, so penalized requests' drafts follow what their
     verify will pick: the round's starting state (SGLang's accumulated tensors), then each
-    drafted token counted as decoding would count it for frequency and repetition. Drafts
-    are proposals the verify checks, so this only steers them (presence is not updated
-    within a round); it never changes an output."""
+    drafted token counted as decoding would count it for frequency, presence and repetition
+    (the additive ones summed, as SGLang's verify sums them: an ulp from decoding's order at
+    most). Drafts are proposals the verify checks, so this only steers them; it never
+    changes an output."""
 
     def __init__(self, info, rows: list[int], reqs):
         index = torch.tensor(rows, dtype=torch.int64, device=info.temperatures.device)
@@ -237,6 +238,11 @@ class DraftPenalty:
         column = lambda xs: torch.tensor(xs, dtype=torch.float32, device=index.device)[:, None]  # noqa: E731
         self.frequency = column([p.frequency_penalty or 0.0 for p in params])
         self.repetition = column([p.repetition_penalty or 1.0 for p in params])
+        self.presence = column([p.presence_penalty or 0.0 for p in params])
+        orch = orchestrator_of(info)
+        presence = dict(_penalizers(orch)).get("presence") if orch is not None else None
+        # which tokens already carry the presence penalty (it is set once, not added per token)
+        self.present = None if presence is None else presence.cumulated_presence_penalties[index] != 0
 
     @classmethod
     def of(cls, info, rows: list[int], reqs):
@@ -260,5 +266,9 @@ class DraftPenalty:
         index = tokens.to(torch.int64)[:, None]
         if self.add is not None:
             self.add.scatter_add_(1, index, -self.frequency)
+            if self.present is not None:
+                new = ~self.present.gather(1, index)
+                self.add.scatter_add_(1, index, -self.presence * new)
+                self.present.scatter_(1, index, True)
         if self.scale is not None:
             self.scale.scatter_(1, index, self.repetition)
