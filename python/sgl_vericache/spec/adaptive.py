@@ -244,8 +244,8 @@ class Controller:
 
     def decide(self, rows: Sequence[Row], force: bool = False) -> Decision:
         """Plain decoding (``draft_len`` 0) or a round of the returned draft length. Rows with
-        their own draft length or drafts made ahead (unless they draft nothing: penalized), and
-        ``force``, always make it a round."""
+        their own draft length or drafts made ahead (unless they draft nothing: held by
+        min_new_tokens), and ``force``, always make it a round."""
         spec = self.best_round(rows)
         plain = Decision(0, self.costs.plain.predict(self.costs.plain_x(rows)), float(len(rows)))
         forced = force or any((r.draft_len or r.queued) and not r.one_token for r in rows) or not self.allow_plain

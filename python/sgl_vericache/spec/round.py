@@ -612,9 +612,10 @@ class Speculator:
             self.windowed.begin_round([self.seam.slots(batch.pool_rows[i], max(0, n - widest), n)
                                        for i, n in zip(keep, verified)], verified, steps)
             source = self.windowed
-        # penalized requests' drafts are steered by their penalties (the verify applies them exactly)
-        penalty = self.seam.draft_penalty(batch.source, keep) if any(penalized(batch.reqs[i]) for i in keep) else None
         try:
+            # penalized requests' drafts are steered by their penalties (the verify applies them exactly)
+            penalized_rows = any(penalized(batch.reqs[i]) for i in keep)
+            penalty = self.seam.draft_penalty(batch.source, keep) if penalized_rows else None
             with passes.run(draft_batch, source) as forward:
                 for step in range(steps):
                     logits = forward(tokens, positions + step)  # [rows, V]
