@@ -182,6 +182,7 @@ def penalize_positions(info, logits: torch.Tensor, candidates: torch.Tensor, row
 
 
 def _scale(logits, scaling) -> None:
+    """SGLang's repetition scaling, in place (its own compiled function, as decoding runs it)."""
     from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
 
     apply_scaling_penalties(logits, scaling)
@@ -253,12 +254,10 @@ class DraftPenalty:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """[rows, V] draft logits, penalized (a new tensor in fp32)."""
-        from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
-
         out = logits.float()
         out = out + self.add if self.add is not None else out.clone()
         if self.scale is not None:
-            apply_scaling_penalties(out, self.scale)
+            _scale(out, self.scale)
         return out
 
     def count(self, tokens: torch.Tensor) -> None:

@@ -170,7 +170,7 @@ def cap_acceptance(verified, deferred, undrafted, reqs) -> None:
         rows = torch.tensor(undrafted, dtype=torch.int64, device=accept_lens.device)
         accept_lens[rows] = accept_lens[rows].clamp(max=1)
         accept_index[rows, 1:] = -1
-    end_runs_at_stop_tokens(verified, reqs)
+    end_runs_where_decoding_ends(verified, reqs)
 
 
 def stop_tokens(req) -> frozenset:
@@ -188,7 +188,7 @@ def stop_tokens(req) -> frozenset:
     return frozenset(ids)
 
 
-def end_runs_at_stop_tokens(verified, reqs) -> None:
+def end_runs_where_decoding_ends(verified, reqs) -> None:
     """Cut each row's accepted run after its first stop token, then where its stop strings
     ask (``string_stop_cut``); one host copy of the round's accepted tokens, and only when
     some row accepted more than one."""
