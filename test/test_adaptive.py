@@ -724,35 +724,6 @@ def test_learned_costs_do_not_depend_on_the_processs_string_hashing():
     assert len(outs) == 1, outs
 
 
-def test_rows_that_draft_nothing_are_priced_at_one_token_and_no_draft_steps():
-    """A request held by min_new_tokens (plan.one_token_at_a_time) drafts nothing: the controller counts
-    one token for it whatever the draft length, and no draft-step cost."""
-    ctl = Controller(max_draft_len=16)
-    rows = _rows(2, 4000)
-    penalized = [Row(r.rid, r.full_kv, r.draft_kv, r.compressor, one_token=True) for r in rows]
-    assert ctl.tokens(penalized, 8) == 2.0
-    assert ctl.tokens(rows[:1] + penalized[1:], 8) == pytest.approx(expected_tokens(ctl.alpha(rows[0].rid, "streamingllm", 4000), 8) + 1)
-    assert ctl.costs.forward_seconds(penalized, 8) == pytest.approx(ctl.costs.verify_seconds(penalized, 9))
-    assert ctl.costs.forward_seconds(rows, 8) > ctl.costs.forward_seconds(penalized, 8)
-
-
-def test_a_penalized_row_with_its_own_draft_length_neither_forces_nor_lengthens_rounds():
-    """A request that names its draft length (custom_params) but drafts nothing (held by min_new_tokens)
-    used to force a round every iteration and have every round priced at its length, so the
-    longest draft won for its batch-mates too."""
-    decide = lambda rows: Controller(max_draft_len=16).decide(rows)  # noqa: E731  (fresh: no probing state)
-    normal = _rows(1, 4000)[0]
-    quiet = Row("b", 4000, 1000, "streamingllm", one_token=True)
-    named = Row("b", 4000, 1000, "streamingllm", draft_len=16, one_token=True)
-    queued = Row("b", 4000, 1000, "streamingllm", queued=True, one_token=True)
-    want = decide([normal, quiet])
-    for other in (named, queued):
-        got = decide([normal, other])
-        assert (got.draft_len, got.predicted_seconds) == (want.draft_len, pytest.approx(want.predicted_seconds))
-    assert decide([named]).draft_len == decide([quiet]).draft_len == 0  # alone: plain decoding
-    assert decide([Row("c", 4000, 1000, "streamingllm", draft_len=16)]).draft_len > 0  # drafting rows still force a round
-
-
 def test_draft_steps_are_priced_padded_on_the_dense_path_only():
     """The CPU path's dense draft buffers pad every row to the longest; the GPU kernels read
     each row's own entry. A kivi4 row beside seven droppers' rows at 8k: padded, every row

@@ -37,6 +37,8 @@ def _reqs():
         dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0),  # none
         dict(frequency_penalty=0.45, presence_penalty=0.6, repetition_penalty=1.15, min_new_tokens=2),  # all, min met
         dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=50),  # held back
+        # min_new_tokens alone, reached mid-round (test_each_verified_position...: 7 tokens before it)
+        dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=10),
     ]
     return [N(sampling_params=N(stop_token_ids=None, **r), eos_token_ids={1}, tokenizer=tok, output_ids=[],
               retraction_count=0) for r in rows]
@@ -78,30 +80,34 @@ def _feed(orch, reqs, tokens):
 
 def test_each_verified_position_is_penalized_as_a_decode_step_there():
     """A round's drafts repeat tokens of the history and of each other (so frequency counts
-    pass 1 and presence / repetition switch on mid-round). Position i of every penalized
-    row equals, bit for bit, SGLang's decode penalties after the history and drafts 1..i;
-    the relaxed step SGLang applies (the round's start for every position) differs."""
+    pass 1 and presence / repetition switch on mid-round), and one row's min_new_tokens is
+    reached mid-round (its stop token held back at positions 0-2, not after). Position i of
+    every penalized row equals, bit for bit, SGLang's decode penalties after the history
+    and drafts 1..i; the relaxed step SGLang applies (the round's start for every position)
+    differs."""
     from sgl_vericache.sglang.penalties import penalize_positions
 
     gen = torch.Generator().manual_seed(3)
-    history = torch.randint(2, VOCAB, (7, 5), generator=gen).tolist()
-    history[3] = [9, 9, 9, 9, 9]
+    history = torch.randint(2, VOCAB, (7, 6), generator=gen).tolist()
+    history[3] = [9, 9, 9, 9, 9, 9]
     candidates = torch.tensor([
         [history[-1][0], 9, 12, 9, 9, 30],
         [history[-1][1], 12, 12, 5, 9, 5],
         [history[-1][2], 3, 4, 5, 6, 7],
         [history[-1][3], 9, 30, 30, 12, 9],
         [history[-1][4], 8, 8, 8, 8, 8],
+        [history[-1][5], 1, 6, 1, 7, 1],  # eos (1) drafted across min_new_tokens' end
     ])
     raw = 4 * torch.randn(len(candidates) * WIDTH, VOCAB, generator=gen)
     raw[:, 9] = raw[:, 9].abs()  # positive and negative logits take the two sides of the scaling
     raw[:, 12] = -raw[:, 12].abs()
+    raw[:, 1] = raw.max() + 1  # eos the likeliest token: only min_new_tokens keeps it back
     reqs = _reqs()
     start = _orchestrator(reqs)
     _feed(start, reqs, history)
     add, scale = _accumulated(start)
     info = N(penalizer_orchestrator=start, acc_additive_penalties=add, acc_scaling_penalties=scale)
-    rows = [0, 1, 3]  # penalized; row 2 has no penalties, row 4 only min_new_tokens (it drafts nothing)
+    rows = [0, 1, 3, 4, 5]  # penalized; row 2 has no penalties
     ours = raw.clone()
     assert penalize_positions(info, ours, candidates, rows)
     relaxed = _relaxed(raw, add, scale, WIDTH)
@@ -111,12 +117,13 @@ def test_each_verified_position_is_penalized_as_a_decode_step_there():
         ref = _orchestrator(ref_reqs)
         _feed(ref, ref_reqs, history + [candidates[:, j].tolist() for j in range(1, i + 1)])
         for b in range(len(candidates)):
-            if b == 4 and i > 0:
-                continue  # held by min_new_tokens: one token a round, position 0 only
             want = _decode_logits(raw[b * WIDTH + i], ref, b)
             assert torch.equal(ours[b * WIDTH + i], want), (b, i)
             differs += not torch.equal(relaxed[b * WIDTH + i], want)
     assert differs >= 10  # negative control: SGLang's relaxed step is not a decode step's
+    held = [torch.isinf(ours[5 * WIDTH + i, 1]).item() for i in range(WIDTH)]
+    assert held == [True, True, True, False, False, False]  # min_new_tokens 10 after 7 tokens
+    assert torch.isinf(relaxed[5 * WIDTH + 3 : 6 * WIDTH, 1]).all()  # relaxed: held all round
     # row 3 has a frequency and a presence penalty: even at position 0 (the round's starting
     # state) SGLang's sum of the two differs from decoding's one after the other
     assert not torch.equal(relaxed[3 * WIDTH], ours[3 * WIDTH])
@@ -135,12 +142,12 @@ def test_a_plain_iteration_penalizes_as_decoding():
     gen = torch.Generator().manual_seed(4)
     reqs = _reqs()
     orch = _orchestrator(reqs)
-    _feed(orch, reqs, torch.randint(2, VOCAB, (9, 5), generator=gen).tolist())
+    _feed(orch, reqs, torch.randint(2, VOCAB, (9, len(reqs)), generator=gen).tolist())
     add, scale = _accumulated(orch)
     info = SamplingBatchInfo.__new__(SamplingBatchInfo)
     info.__dict__.update(penalizer_orchestrator=None, acc_additive_penalties=add, acc_scaling_penalties=scale)
     info.__dict__["vericache_penalizers"] = orch  # what the copy_for_forward hook leaves on the copy
-    raw = 4 * torch.randn(5, VOCAB, generator=gen)
+    raw = 4 * torch.randn(len(reqs), VOCAB, generator=gen)
     ours = raw.clone()
     info._apply_pre_grammar_logits_transforms(ours)
     want = raw.clone()
@@ -173,8 +180,8 @@ def test_the_state_after_a_round_is_decodings(retracted):
     from sgl_vericache.sglang.penalties import catch_up, mark_round
 
     gen = torch.Generator().manual_seed(5)
-    history = torch.randint(2, VOCAB, (4, 5), generator=gen).tolist()
-    runs = [[9, 9, 12, 9], [12], [3, 4], [30, 9, 30], [8]]  # accepted this round, per row
+    history = torch.randint(2, VOCAB, (4, 6), generator=gen).tolist()
+    runs = [[9, 9, 12, 9], [12], [3, 4], [30, 9, 30], [8], [5, 6, 7]]  # accepted this round, per row
     reqs = _reqs()
     orch = _orchestrator(reqs)
     _feed(orch, reqs, history)
@@ -200,7 +207,7 @@ def test_the_state_after_a_round_is_decodings(retracted):
                 if hasattr(pen, name):
                     assert torch.equal(getattr(orch.penalizers[cls], name)[b], getattr(pen, name)[0]), (b, name)
                     compared += 1
-    assert compared == 7  # row 0 frequency, 1 repetition, 3 all four, 4 min_new_tokens
+    assert compared == 8  # row 0 frequency, 1 repetition, 3 all four, 4 and 5 min_new_tokens
     if not retracted:  # negative control: SGLang's own cumulate alone (its relaxed rule) is not decoding's
         reqs2 = _reqs()
         lone = _orchestrator(reqs2)

@@ -272,12 +272,12 @@ def test_the_pause_books_nothing_against_an_earlier_batch():
     assert seen == [("round", ["a", "b"])]  # the pause's plain steps: nothing learned
 
 
-def test_penalized_requests_draft_and_min_new_tokens_holds_one_token_a_round():
+def test_penalized_requests_draft_min_new_tokens_ones_too():
     """Penalized requests draft (the seam penalizes each verified position as decoding
     would, and steers their drafts: the round asks it for the drafting rows' penalties).
-    SGLang counts min_new_tokens' output tokens once an iteration: a request short of it
-    drafts nothing, so its rounds emit one token, as decoding does, while its batch-mates
-    draft; alone it decodes plainly; once the output reaches it, it drafts."""
+    A request short of its min_new_tokens is penalized too (SGLang's fourth penalizer, its
+    count per position in the seam) and drafts with its batch-mates, where it once emitted
+    one token a round until the count was reached."""
     seam = _Seam()
     spec = _speculator(seam)
     drafted_rows = []
@@ -289,26 +289,20 @@ def test_penalized_requests_draft_and_min_new_tokens_holds_one_token_a_round():
     reqs = [plain, penalized, held]
     width = spec.begin_iteration(reqs, [300, 200, 250], max_width=5)
     out = spec.draft_round(_batch(reqs), width)
-    # verified over copies of its root, it accepts one token (sglang/sampling.py: cap_acceptance)
-    assert spec.undrafted == (2,) and spec.deferred == ()
-    assert "b" in spec.store and "c" in spec.store  # c will draft once its minimum is out
+    assert spec.undrafted == () and spec.deferred == ()
     spec.close_round()
-    assert spec.undrafted == ()
-    assert out.width == 5 and spec.lens == [4, 4, 0] and drafted_rows == [[0, 1]]
-    assert seam.penalty_rows == [[0, 1]]  # a penalized row drafts: its penalties steer the round's drafts
+    assert out.width == 5 and spec.lens == [4, 4, 4] and drafted_rows == [[0, 1, 2]]
+    assert seam.penalty_rows == [[0, 1, 2]]  # penalized rows draft: their penalties steer the round's drafts
     tokens = out.tokens.reshape(3, 5)
-    assert list(tokens[0]) == [7, 5, 5, 5, 5] and (tokens[2] == 7).all()  # the root alone for c
-    assert spec.begin_iteration([held], [250], max_width=5) == 0  # nothing would draft: plain
-    spec.end_plain(0.01, 0.0)
-    assert spec.begin_iteration([held], [250], max_width=5, must_round=True) == 1
+    assert list(tokens[0]) == [7, 5, 5, 5, 5] and list(tokens[2]) == [7, 5, 5, 5, 5]
+    assert spec.begin_iteration([held], [250], max_width=5) == 5  # alone it drafts too
     spec.planner.undecided()
-    held.output_ids = [7, 7, 7]  # min_new_tokens reached: it drafts again
     for name, value in (("presence_penalty", 0.2), ("repetition_penalty", 1.1)):
         other = _req("d", 100)
         setattr(other.sampling_params, name, value)
-        out = _round(spec, [held, other])
+        out = _round(spec, [plain, other])
         assert spec.lens == [4, 4], name
-    _round(spec, [held, _req("e", 100)])
+    _round(spec, [plain, _req("e", 100)])
     assert seam.penalty_rows[-1] == [0, 1] and len(seam.penalty_rows) == 3  # no penalized row: not asked
 
 

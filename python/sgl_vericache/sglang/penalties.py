@@ -1,5 +1,5 @@
-"""Frequency, presence and repetition penalties, position by position, so penalized
-requests draft.
+"""Frequency, presence and repetition penalties and min_new_tokens, position by position,
+so penalized requests draft.
 
 SGLang keeps a batch's penalty state in its ``BatchedPenalizerOrchestrator`` and adds a
 request's last output token to it once an iteration, before the forward
@@ -144,7 +144,9 @@ def penalize_positions(info, logits: torch.Tensor, candidates: torch.Tensor, row
     """Penalize a verify's logits ([bs * n, V], in place) as decoding would at each position:
     row b's position i under the round's starting state plus its drafts 1..i
     (``candidates`` [bs, n]: the root, then the drafts), for the rows in ``rows``; every
-    other row under the round's starting state. As decoding does (SGLang without the
+    other row under the round's starting state, except min_new_tokens' count, which is
+    the start's plus i at position i in every row (a row that drafted nothing accepts its
+    position 0 alone). As decoding does (SGLang without the
     overlap scheduler: ``penalizer_orchestrator.apply``), penalizer by penalizer in place,
     not SGLang's verify's sum of the additive penalties (which differs by an ulp where a
     request has a frequency and a presence penalty). Returns False (nothing done) where the
@@ -170,8 +172,7 @@ def penalize_positions(info, logits: torch.Tensor, candidates: torch.Tensor, row
         elif kind == "presence":
             value = value - torch.where(count > 0, pen.presence_penalties[b, 0], pen.cumulated_presence_penalties[b, tok])
         elif kind == "min_new_tokens":
-            held = pen.len_output_tokens[b, 0] < pen.min_new_tokens[b, 0]
-            value = value + torch.where(held, pen.stop_token_penalties[b, tok], 0.0)
+            value = value + torch.where(_held(pen, b, fix["pos"]), pen.stop_token_penalties[b, tok], 0.0)
         else:
             rep = torch.where(count > 0, pen.repetition_penalties[b, 0], pen.cumulated_repetition_penalties[b, tok])
             value = value[None, :].clone()
@@ -196,10 +197,18 @@ def _apply_in_order(pens, logits: torch.Tensor, n: int) -> None:
             logits.sub_(rep(pen.cumulated_frequency_penalties))
         elif kind == "presence":
             logits.sub_(rep(pen.cumulated_presence_penalties))
-        elif kind == "min_new_tokens":
-            logits.add_(rep(torch.where(pen.len_output_tokens < pen.min_new_tokens, pen.stop_token_penalties, 0.0)))
+        elif kind == "min_new_tokens":  # its count at position i is the round's start plus i
+            rows = torch.arange(pen.min_new_tokens.shape[0], device=logits.device)
+            held = _held(pen, rows[:, None], torch.arange(n, device=logits.device)[None, :])
+            logits.add_(torch.where(held.reshape(-1, 1), rep(pen.stop_token_penalties), 0.0))
         else:
             _scale(logits, rep(pen.cumulated_repetition_penalties))
+
+
+def _held(pen, b, pos):
+    """Whether min_new_tokens still holds row b's stop tokens back at position ``pos`` of a
+    round: decoding's count there is the round's start plus the drafts before it."""
+    return pen.len_output_tokens[b, 0] + pos < pen.min_new_tokens[b, 0]
 
 
 def _fix_ups(candidates: torch.Tensor, rows):

@@ -216,9 +216,6 @@ class Controller:
         it has left (drafts past that are verified for nothing)."""
         total = 0.0
         for r in rows:
-            if r.one_token:  # it drafts nothing: its root's token
-                total += 1.0
-                continue
             d = r.draft_len or draft_len
             if r.remaining is not None:
                 d = min(d, max(r.remaining - 1, 0))
@@ -235,7 +232,7 @@ class Controller:
         a tie with 8, and emitted 16 tokens per second where 8 drafts made 23."""
         best, best_rate = None, 0.0
         for d in self.candidate_lens():
-            steps = max([d] + [r.draft_len for r in rows if r.draft_len and not r.one_token])
+            steps = max([d] + [r.draft_len for r in rows if r.draft_len])
             seconds, tokens = self.costs.round_seconds(rows, steps), self.tokens(rows, d)
             rate = tokens / max(seconds, 1e-9)
             if best is None or rate > best_rate * (1 + self.LONGER_BY):
@@ -244,11 +241,10 @@ class Controller:
 
     def decide(self, rows: Sequence[Row], force: bool = False) -> Decision:
         """Plain decoding (``draft_len`` 0) or a round of the returned draft length. Rows with
-        their own draft length or drafts made ahead (unless they draft nothing: held by
-        min_new_tokens), and ``force``, always make it a round."""
+        their own draft length or drafts made ahead, and ``force``, always make it a round."""
         spec = self.best_round(rows)
         plain = Decision(0, self.costs.plain.predict(self.costs.plain_x(rows)), float(len(rows)))
-        forced = force or any((r.draft_len or r.queued) and not r.one_token for r in rows) or not self.allow_plain
+        forced = force or any(r.draft_len or r.queued for r in rows) or not self.allow_plain
         if self.schedule:
             d = min(self.schedule[self.scheduled % len(self.schedule)], self.max_draft_len)
             self.scheduled += 1
@@ -306,7 +302,7 @@ class Controller:
         steady rounds only: a request's first round, or its first after a switch, compresses
         its whole prompt once, and would price every later round as if it did again); row i drafted ``drafted[i]`` tokens of which verify
         accepted ``accepted[i]`` (a deferred row: 0 drafted)."""
-        drafting = [r for r in rows if not r.queued and not r.one_token]
+        drafting = [r for r in rows if not r.queued]
         new = [r for r in rows if r.rid not in self.rows]  # their first round: whole entries built, once
         if not new:
             self.costs.observe_residual(rows, self.costs.forward_seconds(rows, steps), draft_seconds + verify_seconds)

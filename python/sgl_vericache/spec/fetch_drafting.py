@@ -40,7 +40,6 @@ from sgl_vericache.mem_cache.compressed_tier import (INDEX_ANCHOR, SpilledEntry,
                                                      move_entry, worth_reading)
 from sgl_vericache.spec.draft_queue import DraftQueue
 from sgl_vericache.spec.drafter import CompressedKVStore, selects_per_step
-from sgl_vericache.spec.plan import one_token_at_a_time
 
 logger = logging.getLogger(__name__)
 
@@ -196,8 +195,7 @@ class FetchDrafter:
 
     def _start(self, req, hit_tokens: int):
         w = self.owner
-        if (placeholder_prompt(req) or req.finished() or req.grammar is not None or req.sampling_params.top_k != 1
-                or one_token_at_a_time(req)):  # held by min_new_tokens: its rounds would not take them
+        if placeholder_prompt(req) or req.finished() or req.grammar is not None or req.sampling_params.top_k != 1:
             return None
         plan = w.plan(req)
         if plan.error or req.to_finish is not None:

@@ -55,33 +55,25 @@ def _finished(req) -> bool:
     return bool(finished()) if callable(finished) else False
 
 
-def one_token_at_a_time(req) -> bool:
-    """Whether ``req`` must emit one token an iteration to sample as speculation off does: it
-    has not reached its ``min_new_tokens``. SGLang counts a request's output tokens for it
-    once an iteration (under speculation too), so a round that emitted several tokens would
-    hold back its stop tokens differently from decoding. Such a request drafts nothing: its
-    rounds verify its last token alone, exactly a decode step, until the count is reached
-    (it equals the output's length then, and both stay past it). Penalized requests draft:
-    the seam penalizes every verified position as decoding would (``sglang.penalties``)."""
-    params = req.sampling_params
-    return len(req.output_ids) < (getattr(params, "min_new_tokens", 0) or 0)
-
-
 def verifies_every_round(req) -> bool:
-    """Whether ``req`` must verify in every round (never deferred or parked): it emits one
-    token an iteration, or it is penalized. SGLang adds a request's last output token to its
-    penalty state once an iteration whether or not the iteration emitted one for it, so an
-    iteration without a token would count that token again (a frequency penalty twice)."""
-    return penalized(req) or one_token_at_a_time(req)
+    """Whether ``req`` must verify in every round (never deferred or parked): it is
+    penalized. SGLang adds a request's last output token to its penalty state once an
+    iteration whether or not the iteration emitted one for it, so an iteration without a
+    token would count that token again (a frequency penalty twice, min_new_tokens' count
+    one ahead)."""
+    return penalized(req)
 
 
 def penalized(req) -> bool:
-    """Whether ``req`` has frequency, presence or repetition penalties: its verified positions
-    are penalized position by position, and it verifies in every round."""
+    """Whether ``req`` has frequency, presence or repetition penalties or a min_new_tokens
+    (SGLang's four penalizers): its verified positions are penalized position by position
+    (``sglang.penalties``), and it verifies in every round. A min_new_tokens counts even
+    once the output has reached it: a retraction restarts SGLang's count."""
     params = req.sampling_params
     return (getattr(params, "frequency_penalty", 0.0) not in (0, None)
             or getattr(params, "presence_penalty", 0.0) not in (0, None)
-            or getattr(params, "repetition_penalty", 1.0) not in (1, None))
+            or getattr(params, "repetition_penalty", 1.0) not in (1, None)
+            or (getattr(params, "min_new_tokens", 0) or 0) > 0)
 
 
 def _remaining(req) -> Optional[int]:
@@ -285,8 +277,7 @@ class Planner:
             return True
         plans = [self.plan(r, len(reqs)) for r in reqs]
         self.rows = [Row(req.rid, n, int(n * draft_kv_fraction(plan.compressor)), plan.compressor.name,
-                         plan.draft_len if plan.fixed else None, req.rid in queued, _remaining(req),
-                         one_token_at_a_time(req))
+                         plan.draft_len if plan.fixed else None, req.rid in queued, _remaining(req))
                      for req, n, plan in zip(reqs, verified, plans)]
         self.decision = self.controller.decide(self.rows, force=must_round)
         if self.trace is not None:

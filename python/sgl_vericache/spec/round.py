@@ -44,7 +44,7 @@ from sgl_vericache.cpu.linear import weights_generation
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
 from sgl_vericache.spec.drafter import CompressedKVStore
 from sgl_vericache.spec.fetch_drafting import FetchDrafter
-from sgl_vericache.spec.plan import Plan, Planner, one_token_at_a_time, penalized, verifies_every_round
+from sgl_vericache.spec.plan import Plan, Planner, penalized, verifies_every_round
 from sgl_vericache.spec.stats import Stats
 from sgl_vericache.spec.window_draft import WindowedDraft
 
@@ -298,8 +298,7 @@ class Speculator:
         one width, so the row nearest the context's end bounds them all; 0 at its last
         position)."""
         room = min(self.seam.context_len - 1 - n for n in verified)
-        return [0 if one_token_at_a_time(req) else max(0, min(self.planner.draft_len(self.plan(req)), room))
-                for req in reqs]
+        return [max(0, min(self.planner.draft_len(self.plan(req)), room)) for req in reqs]
 
     def begin_iteration(self, reqs, verified: Sequence[int], max_width: int, must_round: bool = False) -> int:
         """Decide a decode iteration: 0 = plain decoding (no drafts, SGLang's one-token step),
@@ -318,10 +317,6 @@ class Speculator:
             self.roots_alone = True
             self.stats.add("spec_iterations", 1)
             return 1
-        if not must_round and self.vc.full_device_budget < 0 and all(one_token_at_a_time(r) for r in reqs):
-            self.planner.undecided()  # nothing would draft: SGLang's own step is that round, cheaper
-            self.stats.add("plain_iterations", 1)
-            return 0
         if not self.planner.decide(reqs, verified, queued, must_round):
             self.stats.add("plain_iterations", 1)
             return 0
@@ -342,8 +337,7 @@ class Speculator:
         bs = len(batch.reqs)
         plans = [self.plan(req) for req in batch.reqs]
         lens = self.draft_lens(batch.reqs, batch.verified)
-        if any(n < self.planner.draft_len(plan) and not one_token_at_a_time(req)
-               for n, plan, req in zip(lens, plans, batch.reqs)):
+        if any(n < self.planner.draft_len(plan) for n, plan in zip(lens, plans)):
             self.stats.add("context_limited_rounds", 1)  # cut short so no position passes the context
         t_sync = time.perf_counter()
         failed = self.roots_alone  # paused after running out of memory: no entries, no drafts
@@ -379,8 +373,8 @@ class Speculator:
         self.setup_seconds += self.layout_seconds
         self.lens = [n if v else 0 for n, v in zip(lens, verifying)]
         # padded with their roots, rows without drafts would accept any repeat of their last token
-        # the target predicts: several tokens an iteration for a request held by min_new_tokens,
-        # or past the context's last position. They accept their root's token alone.
+        # the target predicts: several tokens an iteration for a request at the context's last
+        # position. They accept their root's token alone.
         self.undrafted = tuple(i for i, (n, v) in enumerate(zip(self.lens, verifying)) if v and not n)
         self.stats.drafted(self.draft_seconds, sum(self.lens), steps)
         if self.sampled is not None:  # rejection rows accept their padding as a fixed proposal
@@ -453,8 +447,7 @@ class Speculator:
 
     def _sync_store(self, batch: RoundBatch, plans: list[Plan], verifying: list[bool]) -> list[int]:
         """Bring each drafting request's compressed entry up to its verified tokens (a new
-        one's from the prefix cache where it can; a request held by min_new_tokens keeps its
-        own, for when it drafts). A parked
+        one's from the prefix cache where it can). A parked
         request that does not verify this round drafts nothing: it is left as it is (its
         entry, if let go, is built again in the round it verifies in, whose load is within
         what parked requests hold reserved; loading every such request at once was not).
@@ -581,7 +574,7 @@ class Speculator:
 
     def _draft(self, batch: RoundBatch, roots: list[int], steps: int, queued: dict, lens: list[int]) -> np.ndarray:
         """[bs, steps] drafts. Rows deferred this round, and rows whose draft length is 0
-        (held by min_new_tokens, the context's last position), draft nothing (their roots stand
+        (the context's last position), draft nothing (their roots stand
         in); rows with drafts made ahead (queued) take those; the rest draft ``steps``
         tokens, one forward pass over the compressed entries per step."""
         bs = len(batch.reqs)

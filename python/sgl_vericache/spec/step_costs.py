@@ -32,7 +32,6 @@ class Row:
     draft_len: Optional[int] = None  # its own custom_params draft length (it then always drafts that)
     queued: bool = False  # drafts made ahead wait for it: a round costs it no draft steps
     remaining: Optional[int] = None  # tokens it may still emit (max_new_tokens less its output), None: unknown
-    one_token: bool = False  # it drafts nothing, one token a round (plan.one_token_at_a_time: min_new_tokens)
 
 
 class OnlineLinear:
@@ -287,7 +286,7 @@ class Costs:
     def forward_seconds(self, rows: Sequence[Row], draft_len: int) -> float:
         """A round's draft steps and verify pass as the linear models price them (no setup:
         that has its own estimate, ``setup``, and the residual does not see it)."""
-        drafting = [r for r in rows if not r.queued and not r.one_token]
+        drafting = [r for r in rows if not r.queued]
         return draft_len * self.draft.predict(drafting) + self.verify_seconds(rows, draft_len + 1)
 
     def residual_factor(self, rows: Sequence[Row]) -> float:
