@@ -12,6 +12,18 @@ from sgl_vericache.sglang.runtime import Runtime
 from sgl_vericache.sglang.server import SPEC_ALGORITHM
 
 
+NGRAM_DEFAULT_BREADTH = 10  # SGLang 0.5.23's --speculative-ngram-max-bfs-breadth default
+
+
+def check_draft_chain(breadth) -> None:
+    """A VERICACHE round drafts one chain: --speculative-ngram-max-bfs-breadth is 1, or left at
+    SGLang's default (NGRAM's, which VERICACHE then sets to 1); any other value asked for a
+    tree VeriCache does not draft."""
+    if breadth not in (1, NGRAM_DEFAULT_BREADTH, None):
+        raise ValueError(f"--speculative-ngram-max-bfs-breadth {breadth}: VERICACHE drafts one chain; accepted: 1 "
+                         "(or leave it unset)")
+
+
 def install_spec_algorithm(runtime: Runtime) -> None:
     """``--speculative-algorithm VERICACHE``, whose worker is built for ``runtime``."""
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -49,7 +61,14 @@ def install_spec_algorithm(runtime: Runtime) -> None:
         def handle_server_args(self, server_args) -> None:
             from sglang.srt.arg_groups.speculative_hook import _handle_ngram
 
+            check_draft_chain(server_args.speculative_ngram_max_bfs_breadth)
             _handle_ngram(server_args)
+            # NGRAM's tree breadth becomes the attention backends' top-k; a VERICACHE round is one
+            # chain, verified at its own width: with a top-k above 1 FA3 would plan a tree verify
+            # at the server's widest width and read past a narrower round's mask. (SGLang hands
+            # this callback a recorder whose writes it declares after NGRAM's.)
+            server_args.speculative_ngram_max_bfs_breadth = 1
+            server_args.speculative_eagle_topk = 1
 
     def factory(server_args):  # the worker module imports SGLang's NGRAM worker: only when one is built
         from sgl_vericache.sglang.worker import VeriCacheWorker
