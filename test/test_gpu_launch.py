@@ -23,8 +23,8 @@ except ImportError:  # a bare GPU machine without pytest runs this file as a scr
     pytest = None
 
 from sgl_vericache.config import VeriCacheConfig
-from sgl_vericache.sglang.server import (apply_vericache_flags, check_cuda_graphs, check_kv_cache_dtype,
-                                         check_kv_pool, check_parallelism, check_sampling)
+from sgl_vericache.sglang.server import (apply_vericache_flags, check_cuda_graphs, check_deterministic,
+                                         check_kv_cache_dtype, check_kv_pool, check_parallelism, check_sampling)
 from sgl_vericache.spec.round import device_clock
 from sgl_vericache.spec.sampled_round import SampledRound
 
@@ -157,6 +157,15 @@ def test_a_vericache_worker_refuses_cuda_graphs_on_cuda():
         check_cuda_graphs(True, "cuda:1")
     check_cuda_graphs(False, "cuda")
     check_cuda_graphs(True, "cpu")  # no graphs exist on a CPU device
+
+
+def test_a_vericache_worker_refuses_deterministic_mode_off_the_cpu_engine():
+    """Bit-equal verify reproduces torch_native's decode and F.linear: a CUDA engine's decode
+    runs neither."""
+    with _raises(ValueError, "--vericache-deterministic runs on the CPU engine \\(device cpu\\), not cuda:0"):
+        check_deterministic(True, "cuda:0")
+    check_deterministic(True, "cpu")
+    check_deterministic(False, "cuda")
 
 
 def test_a_vericache_worker_refuses_a_quantized_full_kv_pool():

@@ -65,7 +65,7 @@ class VeriCacheConfig:
         choices=("auto", "packed", "torch"),
     )
     deterministic: bool = _opt(
-        False, "Verify logits bit-equal to one-token decode logits (row-invariant kernels)."
+        False, "Verify logits bit-equal to one-token decode logits (row-invariant kernels; the CPU engine only)."
     )
     tier_checksums: bool = _opt(
         True, "Checksum every KV page written to a HiCache storage tier (file, mooncake) and treat a page "

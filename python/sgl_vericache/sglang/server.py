@@ -197,6 +197,19 @@ def check_parallelism(dp_attention: bool, pp_size, dcp_size=1, attn_cp_size=1, p
                          f"{pp_size}); use --pp-size 1 with tensor parallelism (--tp-size)")
 
 
+def check_deterministic(enabled: bool, device: str) -> None:
+    """--vericache-deterministic makes verify logits bit-equal to a decode step's by computing
+    each verify row as torch_native's decode attention computes it and every weight product
+    through F.linear on 16-row blocks: the CPU engine's kernels. A CUDA engine decodes with
+    FlashInfer / FA3 / Triton attention, and its bf16 GEMMs can bypass F.linear, so the flag
+    would promise what it does not deliver there (and slow every prefill): refused."""
+    if enabled and not str(device).startswith("cpu"):
+        raise ValueError(f"--vericache-deterministic runs on the CPU engine (device cpu), not {device}: its "
+                         "bit-equal verify reproduces torch_native's decode and F.linear, which a CUDA engine's "
+                         "decode does not run; leave it off there (outputs equal speculation off's up to "
+                         "near-ties, docs/exactness.md)")
+
+
 def check_kv_cache_dtype(dtype) -> None:
     """Every round compresses the full KV and the draft's attention reads it in the model's
     float dtypes: a pool stored quantized (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``, CUDA

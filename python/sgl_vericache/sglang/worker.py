@@ -29,8 +29,8 @@ from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang import attention, forward, penalties, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
-from sgl_vericache.sglang.server import (check_cuda_graphs, check_kv_cache_dtype, check_kv_pool, check_parallelism,
-                                         check_request_entry,
+from sgl_vericache.sglang.server import (check_cuda_graphs, check_deterministic, check_kv_cache_dtype, check_kv_pool,
+                                         check_parallelism, check_request_entry,
                                          check_disaggregation, check_grammar_backend, check_parking_args,
                                          check_routed_experts, check_sampling)
 from sgl_vericache.spec.ranks import first_rank_values
@@ -224,6 +224,7 @@ class VeriCacheWorker(NGRAMWorker):
                              bool(getattr(server_args, "enable_pdmux", False)))
         check_grammar_backend(getattr(get_exec().kernel, "grammar_backend", None))
         self.vc = VeriCacheConfig.from_env() or VeriCacheConfig()
+        check_deterministic(self.vc.deterministic, self.device)
         runtime = self.runtime
         draft_weights = build_draft_weights(self.vc.draft_weights, self.model_runner, runtime)
         self.seam = WorkerSeam(self, runtime, draft_weights)
