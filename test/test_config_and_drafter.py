@@ -505,7 +505,7 @@ def test_cpu_stand_in_serves_ops_and_refuses_unknown_ones():
 
 def test_prompt_queries_are_captured_per_request_and_layer():
     """A capturing prefill keeps each request's trailing prefill queries (for SnapKV/H2O),
-    across chunked prefills, capped at MAX_CAPTURED_QUERIES."""
+    across chunked prefills, as many as its compressor reads, capped at MAX_CAPTURED_QUERIES."""
     from types import SimpleNamespace
 
     from sgl_vericache.sglang.attention import capture_queries as _capture_queries
@@ -514,24 +514,48 @@ def test_prompt_queries_are_captured_per_request_and_layer():
     captured = {}
     layer = SimpleNamespace(tp_q_head_num=3, qk_head_dim=4, layer_id=1)
     q = torch.arange(5 * 12, dtype=torch.float32).reshape(5, 12)  # 2 + 3 tokens, [tokens, H_q * D]
-    _capture_queries(captured, ["a", "b"], q, layer, SimpleNamespace(extend_seq_lens_cpu=[2, 3]))
+    every = [MAX_CAPTURED_QUERIES] * 2
+    _capture_queries(captured, ["a", "b"], q, layer, SimpleNamespace(extend_seq_lens_cpu=[2, 3]), every)
     assert captured["a"][1].shape == (2, 3, 4)
     torch.testing.assert_close(captured["b"][1], q[2:].reshape(3, 3, 4))
     big = torch.randn(MAX_CAPTURED_QUERIES + 10, 12)
-    _capture_queries(captured, ["b"], big, layer, SimpleNamespace(extend_seq_lens_cpu=[big.shape[0]]))
+    _capture_queries(captured, ["b"], big, layer, SimpleNamespace(extend_seq_lens_cpu=[big.shape[0]]), every)
     kept = captured["b"][1]
     assert kept.shape[0] == MAX_CAPTURED_QUERIES
     torch.testing.assert_close(kept, big[-MAX_CAPTURED_QUERIES:].reshape(-1, 3, 4))
     # each kept tensor holds its own rows only, not the chunk it was cut from
     assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
-    _capture_queries(captured, ["b"], q[:2], layer, SimpleNamespace(extend_seq_lens_cpu=[2]))  # a later chunk
+    _capture_queries(captured, ["b"], q[:2], layer, SimpleNamespace(extend_seq_lens_cpu=[2]), every)  # a later chunk
     grown = captured["b"][1]
     assert grown.shape[0] == MAX_CAPTURED_QUERIES and grown.untyped_storage().nbytes() == kept.untyped_storage().nbytes()
     torch.testing.assert_close(grown, torch.cat([big[-MAX_CAPTURED_QUERIES + 2:], q[:2]]).reshape(-1, 3, 4))
-    _capture_queries(captured, ["c"], big, layer, SimpleNamespace(extend_seq_lens_cpu=[big.shape[0]]))
+    _capture_queries(captured, ["c"], big, layer, SimpleNamespace(extend_seq_lens_cpu=[big.shape[0]]), every)
     assert captured["c"][1].untyped_storage().nbytes() == kept.untyped_storage().nbytes()
+    # a SnapKV request keeps its observation window (across chunks too), a dropper's nothing
+    two = SimpleNamespace(extend_seq_lens_cpu=[big.shape[0] - 7, 7])
+    _capture_queries(captured, ["w", "none"], big, layer, two, [32, 0])
+    assert "none" not in captured
+    torch.testing.assert_close(captured["w"][1], big[-39:-7].reshape(-1, 3, 4))
+    _capture_queries(captured, ["w"], q, layer, SimpleNamespace(extend_seq_lens_cpu=[5]), [32])
+    torch.testing.assert_close(captured["w"][1], torch.cat([big[-34:-7], q]).reshape(-1, 3, 4))
     per_layer = _layer_queries(captured["a"], num_layers=3)
     assert per_layer[0] is None and per_layer[1].shape == (2, 3, 4)
+
+
+def test_a_prefill_keeps_the_prompt_queries_its_compressor_reads():
+    """SnapKV reads its observation window (32 by default), H2O every query it is given (up
+    to MAX_CAPTURED_QUERIES), the others none: a prefill keeps that many of each request on
+    the device until its first round (before, 512 of every request in a batch with one such
+    request: 128 MiB a request at Llama-3-8B's size)."""
+    from types import SimpleNamespace
+
+    from sgl_vericache.spec.round import MAX_CAPTURED_QUERIES, Speculator
+
+    spec = Speculator.__new__(Speculator)  # only its planner's plans are read
+    spec.planner = SimpleNamespace(plan_arriving=lambda reqs: [SimpleNamespace(compressor=get_compressor(
+        name, 4.0 if name != "kivi4" else None, **options)) for name, options in reqs])
+    reqs = [("snapkv", {}), ("snapkv", {"window_size": 8}), ("h2o", {}), ("streamingllm", {}), ("kivi4", {})]
+    assert spec.query_windows(reqs) == [32, 8, MAX_CAPTURED_QUERIES, 0, 0]
 
 
 def test_capturing_prefills_keep_the_models_own_backend():
@@ -558,7 +582,7 @@ def test_capturing_prefills_keep_the_models_own_backend():
     layer = SimpleNamespace(tp_q_head_num=1, qk_head_dim=4, layer_id=0)
     q = torch.randn(3, 4)
     with forward_context(ForwardContext(attn_backend=backend)):
-        with capturing_queries(backend, captured, ["a", "b"]):
+        with capturing_queries(backend, captured, ["a", "b"], [8, 8]):
             seen = get_attn_backend()
             assert seen is backend and type(seen) is TritonLike
             torch.testing.assert_close(seen.forward(q, None, None, layer, batch("extend"), sinks=q), q * 2 + 1)
@@ -567,7 +591,7 @@ def test_capturing_prefills_keep_the_models_own_backend():
         torch.testing.assert_close(captured["b"][0], q[2:].reshape(1, 1, 4))
         assert "forward" not in vars(backend)
         with pytest.raises(RuntimeError, match="boom"):
-            with capturing_queries(backend, captured, ["c"]):
+            with capturing_queries(backend, captured, ["c"], [8]):
                 raise RuntimeError("boom")
         assert "forward" not in vars(backend) and "c" not in captured
 

@@ -351,10 +351,10 @@ def verify_tree_mask(forward_batch, bs, n, device):
 
 
 @contextmanager
-def capturing_queries(backend, captured: dict, rids: list):
+def capturing_queries(backend, captured: dict, rids: list, windows: list):
     """While an extend batch runs through SGLang's own attention backend, keep each request's
-    trailing prompt queries (SnapKV / H2O score the prompt by them) in ``captured`` (rid ->
-    {layer_id: [W, H_q, D]}). The backend object stays the one the model sees, so a model that
+    trailing prompt queries (SnapKV / H2O score the prompt by them), the last ``windows[i]``
+    of request i, in ``captured`` (rid -> {layer_id: [W, H_q, D]}). The backend object stays the one the model sees, so a model that
     tests its class (Gemma 3 multimodal on Triton: its image tokens' bidirectional mask) still
     matches: only this instance's ``forward`` is shadowed, and restored on the way out."""
     original = backend.forward
@@ -362,7 +362,7 @@ def capturing_queries(backend, captured: dict, rids: list):
 
     def forward(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if forward_batch.forward_mode.is_extend():
-            capture_queries(captured, rids, q, layer, forward_batch)
+            capture_queries(captured, rids, q, layer, forward_batch, windows)
         return original(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     backend.forward = forward
@@ -375,23 +375,26 @@ def capturing_queries(backend, captured: dict, rids: list):
             del backend.forward
 
 
-def capture_queries(captured: dict, rids: list, q, layer, forward_batch):
-    """Keep the trailing prompt queries of each request in an extend batch: at most
-    MAX_CAPTURED_QUERIES a request and layer, each kept in a tensor of its own (a slice of a
-    longer copy would hold the whole chunk's memory until the request's first round)."""
+def capture_queries(captured: dict, rids: list, q, layer, forward_batch, windows: list):
+    """Keep the trailing prompt queries of each request in an extend batch: the last
+    ``windows[i]`` of request i (what its compressor reads; 0: none), at most
+    MAX_CAPTURED_QUERIES, a request and layer, each kept in a tensor of its own (a slice of
+    a longer copy would hold the whole chunk's memory until the request's first round)."""
     q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)  # [tokens, H_q, D]
     lens = forward_batch.extend_seq_lens_cpu
     lens = lens.tolist() if hasattr(lens, "tolist") else list(lens)
     start = 0
-    for rid, n in zip(rids, lens):
-        per_layer = captured.setdefault(rid, {})
-        prev = per_layer.get(layer.layer_id)
-        new = q[max(start, start + n - MAX_CAPTURED_QUERIES) : start + n].detach()
-        if prev is not None and new.shape[0] < MAX_CAPTURED_QUERIES:
-            new = torch.cat([prev[-(MAX_CAPTURED_QUERIES - new.shape[0]):], new])  # a new tensor
-        else:
-            new = new.clone()
-        per_layer[layer.layer_id] = new
+    for rid, n, window in zip(rids, lens, windows):
+        keep = min(window, MAX_CAPTURED_QUERIES)
+        if keep > 0:
+            per_layer = captured.setdefault(rid, {})
+            prev = per_layer.get(layer.layer_id)
+            new = q[max(start, start + n - keep) : start + n].detach()
+            if prev is not None and new.shape[0] < keep:
+                new = torch.cat([prev[-(keep - new.shape[0]):], new])  # a new tensor
+            else:
+                new = new.clone()
+            per_layer[layer.layer_id] = new
         start += n
 
 

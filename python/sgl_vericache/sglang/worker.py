@@ -302,7 +302,8 @@ class VeriCacheWorker(NGRAMWorker):
             self.verify_backend = attention.make_verify_backend(self.model_runner, self.runtime, self.vc.deterministic)
         spec = self.speculator
         self._forget_finished_queries()
-        capture = batch.forward_mode.is_extend() and spec.needs_queries(batch.reqs)
+        windows = spec.query_windows(batch.reqs) if batch.forward_mode.is_extend() else ()
+        capture = any(windows)
         if capture:
             self._capturing.update((req.rid, req) for req in batch.reqs)
         is_round = batch.forward_mode.is_decode() and not self.plain
@@ -315,7 +316,7 @@ class VeriCacheWorker(NGRAMWorker):
             scope = forward_context(ForwardContext(attn_backend=self.verify_backend))
         elif capture:
             scope = attention.capturing_queries(self.model_runner.attn_backend, spec.queries,
-                                                [req.rid for req in batch.reqs])
+                                                [req.rid for req in batch.reqs], windows)
         else:
             scope = nullcontext()
         try:

@@ -230,9 +230,13 @@ class Speculator:
     def plan(self, req) -> Plan:
         return self.planner.plan(req)
 
-    def needs_queries(self, reqs) -> bool:
-        """Whether a prefill of ``reqs`` should keep its last prompt queries (SnapKV, H2O)."""
-        return any(plan.compressor.needs_queries for plan in self.planner.plan_arriving(reqs))
+    def query_windows(self, reqs) -> list[int]:
+        """How many trailing prompt queries a prefill of ``reqs`` keeps of each (0: none), for
+        their compressors (SnapKV reads its observation window, H2O every query it is
+        given): at most MAX_CAPTURED_QUERIES a request and layer, held on the device until
+        its first round."""
+        return [min(plan.compressor.query_window or MAX_CAPTURED_QUERIES, MAX_CAPTURED_QUERIES)
+                if plan.compressor.needs_queries else 0 for plan in self.planner.plan_arriving(reqs)]
 
     def release_departed(self, rids, reused: Optional[dict] = None) -> None:
         """Requests that left: their entries are filed and released. ``reused``: rid -> the
