@@ -55,16 +55,53 @@ def _decode_rows(k, v, table, rows, q, window):
     return out.reshape(len(PREFIXES) * BLOCK, HQ * D)
 
 
-def _verify(k, v, table, rows, q, window, deterministic, logit_cap=0.0, sinks=None):
-    backend = SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k, v), skip_rows=(),
-                              req_to_token_pool=SimpleNamespace(req_to_token=table), deterministic=deterministic,
-                              kernel=False)
+def _verify(k, v, table, rows, q, window, deterministic, logit_cap=0.0, sinks=None, backend=None):
+    backend = backend or _backend(k, v, table, deterministic)
     layer = SimpleNamespace(tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D, layer_id=0, scaling=SCALE,
                             sliding_window_size=-1 if window is None else window, is_cross_attention=False,
                             logit_cap=logit_cap)
     batch = SimpleNamespace(batch_size=len(PREFIXES), seq_lens=torch.tensor(PREFIXES), req_pool_indices=rows,
                             spec_info=None)
     return verify_attention(backend, q, layer, batch, sinks)
+
+
+def _backend(k, v, table, deterministic=False, kernel=False):
+    return SimpleNamespace(runtime=SimpleNamespace(parking=None), token_to_kv_pool=_kv_pool(k, v), skip_rows=(),
+                           req_to_token_pool=SimpleNamespace(req_to_token=table), deterministic=deterministic,
+                           kernel=kernel)
+
+
+def test_a_verify_kernel_that_fails_on_this_gpu_leaves_the_torch_path_for_good(monkeypatch, caplog):
+    """A Triton compile, resource or launch error (a GPU, Triton or shape no check compiled)
+    would have stopped the scheduler at the first round: the layer is verified on the torch
+    path instead, and every later one, logged; running out of memory still raises."""
+    from sgl_vericache.kernels import verify as kv
+    from sgl_vericache.sglang import attention
+
+    k, v, table, rows, q = _setup(3)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("PTXAS error: Internal Triton PTX codegen error")
+
+    monkeypatch.setattr(kv, "unsupported", lambda *args: None)
+    monkeypatch.setattr(kv, "verify_attention", failing)
+    monkeypatch.setattr(attention, "kernel_batch", lambda *args: (None, None, max(PREFIXES) + BLOCK))
+    backend = _backend(k, v, table, kernel=True)
+    with caplog.at_level("ERROR", logger=attention.__name__):
+        out = _verify(k, v, table, rows, q, None, False, backend=backend)
+    assert calls == [1] and backend.kernel is False and "PTXAS error" in caplog.text
+    assert torch.equal(out, _verify(k, v, table, rows, q, None, False))
+    _verify(k, v, table, rows, q, None, False, backend=backend)
+    assert calls == [1]  # not tried again
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(kv, "verify_attention", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        _verify(k, v, table, rows, q, None, False, backend=_backend(k, v, table, kernel=True))
 
 
 @pytest.mark.parametrize("window", [None, 12, 7, 2, 0], ids=lambda w: f"window={w}")

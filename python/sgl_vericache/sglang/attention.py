@@ -178,7 +178,9 @@ def host_rows(backend, forward_batch) -> tuple[list, list]:
 def verify_on_kernel(backend, q, layer, forward_batch, sinks=None):
     """verify_attention in one Triton launch (kernels/verify.py) reading the pool where it
     lies; None (and the torch path from then on, logged once) where the layer does not
-    fit the kernel."""
+    fit the kernel, or where the kernel fails to compile or launch on this GPU and Triton
+    (a shape or device no check has compiled: the torch path is the one it is held to).
+    Running out of device memory is not the kernel's failure: it raises."""
     from sgl_vericache.kernels import verify as kv
 
     hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
@@ -192,10 +194,19 @@ def verify_on_kernel(backend, q, layer, forward_batch, sinks=None):
     bs = forward_batch.batch_size
     n = q.numel() // (bs * hq * d)
     live, mask, longest = kernel_batch(backend, forward_batch, n, q.device)
-    out = kv.verify_attention(q.reshape(bs, n, hq, d), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
-                              forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling, live=live,
-                              mask=mask, longest=longest, window=sliding_window(layer),
-                              softcap=logit_cap(layer), sinks=sinks)
+    try:
+        out = kv.verify_attention(q.reshape(bs, n, hq, d), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
+                                  forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling, live=live,
+                                  mask=mask, longest=longest, window=sliding_window(layer),
+                                  softcap=logit_cap(layer), sinks=sinks)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (Triton's compile, resource and PTX errors have no common base)
+        backend.kernel = False
+        logger.error("VeriCache verify attention runs per request in torch from now on: the Triton kernel failed "
+                     "at layer %d (H_q %d, head_dim %d): %s: %s", layer.layer_id, hq, d, type(exc).__name__, exc,
+                     exc_info=True)
+        return None
     return out.reshape(bs * n, hq * dv)
 
 
