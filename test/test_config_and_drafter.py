@@ -624,16 +624,22 @@ def test_draft_weights_refuse_bad_modes_and_devices():
         DraftWeights("int4")
     with pytest.raises(ValueError, match="int8 runs on CPU only"):
         DraftWeights("int8").check_device(torch.device("cuda"))
+    # a 16-bit model's fp16 copy on a GPU: a second copy of every weight for nothing
+    with pytest.raises(ValueError, match="fp16 on a bfloat16 model \\(device cuda:0\\) copies every weight"):
+        DraftWeights("fp16").check_device(torch.device("cuda:0"), torch.bfloat16)
+    DraftWeights("fp16").check_device(torch.device("cuda:0"), torch.float32)
+    DraftWeights("fp16").check_device(torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ValueError, match="--vericache-draft-weights .bf8. is not one of auto, model, fp16, int8"):
         VeriCacheConfig(draft_weights="bf8")
     assert parse_known(["--vericache-draft-weights", "int8"])[0].draft_weights == "int8"
 
 
-def test_draft_weights_auto_is_fp16_for_small_products_of_fp32_models_only():
+def test_draft_weights_auto_is_fp16_for_small_products_of_fp32_models_on_cpus_only():
     from sgl_vericache.spec.draft_weights import AUTO_FP16_MAX_ROWS, DraftWeights, resolve_mode
 
     assert VeriCacheConfig().draft_weights == "auto"
     assert resolve_mode("auto", torch.float32) == ("fp16", AUTO_FP16_MAX_ROWS)
+    assert resolve_mode("auto", torch.float32, "cuda:0") == ("model", None)  # measured on CPUs only
     assert resolve_mode("auto", torch.bfloat16) == ("model", None)
     assert resolve_mode("int8", torch.bfloat16) == ("int8", None)
     assert resolve_mode("fp16", torch.float32) == ("fp16", None)

@@ -53,8 +53,9 @@ class VeriCacheConfig:
     draft_weights: str = _opt(
         "auto", "Weights the draft passes multiply by: model (as loaded), fp16 or int8 (a cheaper copy; "
         "verify always uses the model's own, so outputs are unchanged and only acceptance can move); "
-        "auto = the fp16 copy for draft products of at most 2 rows of an fp32 model (a CPU without native "
-        "fp16 loses beyond that), the model's own weights otherwise.",
+        "auto = the fp16 copy for draft products of at most 2 rows of an fp32 model on a CPU (one without "
+        "native fp16 loses beyond that), the model's own weights otherwise; fp16 of a 16-bit model on a GPU "
+        "is refused (a second copy of every weight for nothing).",
         choices=("auto", "model", "fp16", "int8"),
     )
     cpu_linear: str = _opt(

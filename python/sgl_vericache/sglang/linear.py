@@ -78,13 +78,13 @@ def build_draft_weights(mode: str, model_runner, runtime: Runtime):
     """The draft passes' weight copies (None: the model's own), checked against the device."""
     from sgl_vericache.spec.draft_weights import DraftWeights, resolve_mode
 
-    mode, max_rows = resolve_mode(mode, model_runner.model_config.dtype)
+    mode, max_rows = resolve_mode(mode, model_runner.model_config.dtype, model_runner.device)
     logger.info("VeriCache draft weights: %s%s", mode, "" if max_rows is None else f" up to {max_rows} rows per product")
     if mode == "model":
         return None
     model_linear = runtime.packed_linear.linear if runtime.packed_linear is not None else None
     weights = DraftWeights(mode, max_rows, model_linear) if model_linear else DraftWeights(mode, max_rows)
-    weights.check_device(model_runner.device)
+    weights.check_device(model_runner.device, model_runner.model_config.dtype)
     return weights
 
 

@@ -9,11 +9,13 @@ under greedy and seeded sampling, distribution-exact under rejection sampling, w
 the draft's own distribution), only the acceptance rate can move.
 
 Modes (``--vericache-draft-weights``):
-  auto    for an fp32 model: the fp16 copy for products of at most AUTO_FP16_MAX_ROWS rows
-          (a draft batch of 1-2 requests) and the model's own weights above, where the fp16
-          kernel on a CPU without native fp16 loses (benchmark/bench_cpu_linear.py: fp16 2.7x
-          F.linear at 1 row, even with oneDNN-packed fp32 at 4, 0.78x at 8, 0.22x at 68);
-          for any other model: model (the default)
+  auto    for an fp32 model on a CPU: the fp16 copy for products of at most
+          AUTO_FP16_MAX_ROWS rows (a draft batch of 1-2 requests) and the model's own weights
+          above, where the fp16 kernel on a CPU without native fp16 loses
+          (benchmark/bench_cpu_linear.py: fp16 2.7x F.linear at 1 row, even with oneDNN-packed
+          fp32 at 4, 0.78x at 8, 0.22x at 68); for any other model or device: model (the
+          default; measured on CPUs only, and a GPU's copy would sit outside the memory SGLang
+          sized its KV pool around)
   model   the model's weights as they are (no copy), through the engine's own weight path
   fp16    an fp16 copy; products in fp16, results cast back (half the bytes of fp32)
   int8    per-output-channel symmetric int8 copy, activations quantized per call
@@ -38,13 +40,14 @@ _INT8_ENGINES = ("x86", "fbgemm")
 AUTO_FP16_MAX_ROWS = 2  # auto drafts with the fp16 copy up to this many rows per product
 
 
-def resolve_mode(mode: str, model_dtype: torch.dtype) -> tuple[str, Optional[int]]:
-    """(mode, max_rows): ``auto`` is fp16 up to AUTO_FP16_MAX_ROWS rows for an fp32 model
-    (measured on CPU: the same acceptance as fp32 weights), else the model's own; an
+def resolve_mode(mode: str, model_dtype: torch.dtype, device="cpu") -> tuple[str, Optional[int]]:
+    """(mode, max_rows): ``auto`` is fp16 up to AUTO_FP16_MAX_ROWS rows for an fp32 model on
+    a CPU (measured there: the same acceptance as fp32 weights), else the model's own; an
     explicit mode applies to every product (max_rows None)."""
     if mode != "auto":
         return mode, None
-    return ("fp16", AUTO_FP16_MAX_ROWS) if model_dtype == torch.float32 else ("model", None)
+    on_cpu = torch.device(device).type == "cpu"
+    return ("fp16", AUTO_FP16_MAX_ROWS) if model_dtype == torch.float32 and on_cpu else ("model", None)
 
 
 class DraftWeights:
@@ -60,8 +63,14 @@ class DraftWeights:
         self.model_linear = model_linear
         self._copies = WeightCopies()
 
-    def check_device(self, device: torch.device) -> None:
-        """Refuse a mode this device cannot run, naming what would work."""
+    def check_device(self, device: torch.device, model_dtype: torch.dtype = torch.float32) -> None:
+        """Refuse a mode this device cannot run, or one that buys nothing there, naming what
+        would work."""
+        if self.mode == "fp16" and torch.device(device).type != "cpu" and model_dtype in (torch.float16,
+                                                                                          torch.bfloat16):
+            raise ValueError(f"--vericache-draft-weights fp16 on a {str(model_dtype).removeprefix('torch.')} model "
+                             f"(device {device}) copies every weight for products as wide as the model's own: "
+                             "use model")
         if self.mode == "int8":
             if torch.device(device).type != "cpu":
                 raise ValueError(f"--vericache-draft-weights int8 runs on CPU only (device {device}); "
