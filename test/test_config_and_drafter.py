@@ -503,6 +503,23 @@ def test_cpu_stand_in_serves_ops_and_refuses_unknown_ones():
     assert "REFUSED" in r.stdout and "'sgl_kernel.fancy_gemm_cpu'" in r.stdout
 
 
+def test_a_gpu_machine_gets_sgl_kernels_own_import_error_not_the_stand_in(monkeypatch):
+    """Where a CUDA driver loads, a real sgl_kernel that fails to import is a broken install:
+    its own error surfaces, instead of pure-torch stand-ins served to a GPU engine (or a later
+    "use torch_native on CPU"). SGLang's CPU engine, asked for, still gets the stand-in."""
+    from sgl_vericache.cpu import compat
+
+    monkeypatch.setattr(compat, "_real_kernel_imports", lambda: False)
+    monkeypatch.setattr(compat, "_cuda_driver_present", lambda: True)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    assert compat._Finder().find_spec("sgl_kernel") is None
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    assert compat._Finder().find_spec("sgl_kernel") is not None
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE")
+    monkeypatch.setattr(compat, "_cuda_driver_present", lambda: False)  # a CPU machine
+    assert compat._Finder().find_spec("sgl_kernel") is not None
+
+
 def test_prompt_queries_are_captured_per_request_and_layer():
     """A capturing prefill keeps each request's trailing prefill queries (for SnapKV/H2O),
     across chunked prefills, as many as its compressor reads, capped at MAX_CAPTURED_QUERIES."""

@@ -6,6 +6,9 @@ model on a CPU without AMX, SGLang's CPU path calls plain torch ops, so only the
 *names* are needed. This module installs an import hook that:
 
 - loads the real ``sgl_kernel`` when it imports (then this module does nothing);
+- on a machine with a CUDA driver, where the real package should import, does nothing
+  either (unless ``SGLANG_USE_CPU_ENGINE=1``): a broken CUDA install raises its own import
+  error there, rather than serving pure-torch stand-ins to a GPU engine;
 - otherwise serves a stand-in package: every attribute is an op whose call either runs a
   pure-torch implementation from ``sgl_vericache.cpu.ops`` or raises ``CpuKernelUnavailable``
   naming the op (and the module it was imported from).
@@ -119,7 +122,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         if fullname != PACKAGE and not fullname.startswith(PACKAGE + "."):
             return None
         if self.use_stand_in is None:
-            self.use_stand_in = not _real_kernel_imports()
+            self.use_stand_in = not _real_kernel_imports() and _stand_in_wanted()
             if self.use_stand_in:
                 logger.info("sgl_kernel is not usable here; serving the CPU stand-in")
         if not self.use_stand_in:
@@ -128,6 +131,26 @@ class _Finder(importlib.abc.MetaPathFinder):
         if real_file is not None:
             return importlib.util.spec_from_file_location(fullname, real_file)
         return importlib.machinery.ModuleSpec(fullname, _StandInLoader(), is_package=True)
+
+
+def _stand_in_wanted() -> bool:
+    """Whether a failed import of the real package means a CPU machine (no CUDA driver, or
+    SGLang's CPU engine asked for), which the stand-in serves."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not _cuda_driver_present():
+        return True
+    logger.warning("sgl_kernel failed to import on a machine with a CUDA driver: not serving the CPU stand-in "
+                   "(SGLANG_USE_CPU_ENGINE=1 runs SGLang's CPU engine); the import error follows")
+    return False
+
+
+def _cuda_driver_present() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
 
 
 def _real_pure_python_file(fullname: str) -> str | None:
