@@ -224,6 +224,11 @@ def test_a_vericache_worker_refuses_dp_attention_and_pipeline_stages():
     check_parallelism(False, 1, 1, 1, False)
     with _raises(ValueError, r"\(--dcp-size 2\)"):
         check_parallelism(False, 1, 2)
+    # two-batch overlap hands verify micro-batches; its per-forward state is the whole batch's
+    with _raises(ValueError, "does not support two-batch overlap"):
+        apply_vericache_flags(VeriCacheConfig(), ["--enable-two-batch-overlap"])
+    with _raises(ValueError, "two-batch overlap"):
+        check_parallelism(False, 1, two_batch_overlap=True)
 
 
 class _Params:

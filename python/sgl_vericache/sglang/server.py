@@ -34,7 +34,8 @@ def apply_vericache_flags(vc: "VeriCacheConfig", argv: list[str]) -> list[str]:
                          "pass --no-vericache-enable")
     check_parallelism(False, flag_value(argv, "--pp-size") or flag_value(argv, "--pipeline-parallel-size") or 1,
                       flag_value(argv, "--dcp-size") or flag_value(argv, "--decode-context-parallel-size") or 1,
-                      flag_value(argv, "--attn-cp-size") or 1, "--enable-prefill-cp" in argv)
+                      flag_value(argv, "--attn-cp-size") or 1, "--enable-prefill-cp" in argv,
+                      "--enable-two-batch-overlap" in argv)
     check_request_entry(flag_value(argv, "--tokenizer-worker-num") or 1,
                         "--smg-grpc-mode" in argv or "--grpc-mode" in argv)
     check_disaggregation(flag_value(argv, "--disaggregation-mode"), "--enable-pdmux" in argv)
@@ -173,19 +174,25 @@ def check_request_entry(tokenizer_workers, grpc_mode: bool) -> None:
                          "which the gRPC mode's servicer skips; serve HTTP (the native --grpc-port server is fine)")
 
 
-def check_parallelism(dp_attention: bool, pp_size, dcp_size=1, attn_cp_size=1, prefill_cp: bool = False) -> None:
+def check_parallelism(dp_attention: bool, pp_size, dcp_size=1, attn_cp_size=1, prefill_cp: bool = False,
+                      two_batch_overlap: bool = False) -> None:
     """Ranks of a VERICACHE worker must run the same forwards: tensor-parallel ranks do (they
     share one schedule and agree on the planner's step times). Attention data parallelism
     gives each rank its own batch, so rounds would differ in rows and draft steps; pipeline
     stages would each need the round's drafts. Context parallelism splits a request's KV
     over ranks (decode: the tokens of position % dcp_size == rank, at slot // dcp_size),
     while verify and the compressors read and write every token at its own slot of one
-    pool: wrong KV or out of bounds. None is supported: refused at start."""
+    pool: wrong KV or out of bounds. Two-batch overlap splits a forward into micro-batches,
+    while verify's per-forward state (deferred rows, the token-table rows it read) is the
+    whole batch's. None is supported: refused at start."""
     for name, size in (("--dcp-size", dcp_size), ("--attn-cp-size", attn_cp_size)):
         if int(size or 1) != 1:
             raise ValueError(f"--speculative-algorithm VERICACHE does not support context parallelism ({name} "
                              f"{size}): verify and the compressors read each request's whole KV from one pool; "
                              f"use {name} 1 with tensor parallelism (--tp-size)")
+    if two_batch_overlap:
+        raise ValueError("--speculative-algorithm VERICACHE does not support two-batch overlap "
+                         "(--enable-two-batch-overlap): verify reads a forward as one batch; serve without it")
     if prefill_cp:
         raise ValueError("--speculative-algorithm VERICACHE does not support context-parallel prefill "
                          "(--enable-prefill-cp): it has never run with it; serve without it")

@@ -215,7 +215,8 @@ class VeriCacheWorker(NGRAMWorker):
         attention.check_attention(self.model_runner.model, self.model_runner.model_config, self.device)
         check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1),
                           getattr(server_args, "dcp_size", 1), getattr(server_args, "attn_cp_size", 1),
-                          bool(getattr(server_args, "enable_prefill_cp", False)))
+                          bool(getattr(server_args, "enable_prefill_cp", False)),
+                          bool(getattr(getattr(get_exec(), "overlap", None), "enable_two_batch_overlap", False)))
         check_request_entry(getattr(server_args, "tokenizer_worker_num", 1),
                             bool(getattr(server_args, "smg_grpc_mode", False) or getattr(server_args, "grpc_mode", False)))
         check_sampling(get_exec().kernel.sampling_backend, bool(get_exec().features.enable_custom_logit_processor))
