@@ -166,7 +166,7 @@ def penalize_positions(info, logits: torch.Tensor, candidates: torch.Tensor, row
     for kind, pen in pens:  # each penalizer's own operation, in the orchestrator's order
         if kind == "frequency":
             state, step = pen.cumulated_frequency_penalties[b, tok], pen.frequency_penalties[b, 0]
-            for k in range(int(count.max())):
+            for k in range(fix["most"]):
                 state = torch.where(count > k, state + step, state)
             value = value - state
         elif kind == "presence":
@@ -213,7 +213,8 @@ def _held(pen, b, pos):
 
 def _fix_ups(candidates: torch.Tensor, rows):
     """For each of ``rows`` and each position i >= 1, every distinct draft among its drafts
-    1..i with how often it occurs there: {row, pos, token, count} as device tensors, or None."""
+    1..i with how often it occurs there: {row, pos, token, count} as device tensors (and
+    ``most``, the largest count, on the host), or None."""
     if not rows or candidates.shape[1] < 2:
         return None
     host = candidates[list(rows)].tolist()
@@ -229,7 +230,8 @@ def _fix_ups(candidates: torch.Tensor, rows):
                 count.append(c)
     device = candidates.device
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-    return {"row": as_tensor(row), "pos": as_tensor(pos), "token": as_tensor(token), "count": as_tensor(count)}
+    return {"row": as_tensor(row), "pos": as_tensor(pos), "token": as_tensor(token), "count": as_tensor(count),
+            "most": max(count, default=0)}
 
 
 class DraftPenalty:
