@@ -534,6 +534,13 @@ def all_cases() -> list[Case]:
     cases.append(Case("warm-up compiles what rounds launch: kivi4+streamingllm with a soft cap",
                       lambda dev: check_warm_up(("kivi4", "streamingllm"), dev, softcap=30.0), family="store",
                       tags=("kivi4", "streamingllm", "softcap", "warm")))
+    # head dim 256 (Gemma 2 / 3: bf16, GQA 2, a soft cap) at the default launch sizes, compiled:
+    # the largest head the drafts take (kernels.draft_head_dim), never compiled before
+    wide = Shape((4000, 1500, 777), kv_heads=2, group=2, head_dim=256, dtype=torch.bfloat16)
+    for method in ("kivi4", "int8", "fp8", "snapkv", "quest"):
+        cases.append(Case(f"{method} d=256 default launch sizes softcap=5 T={list(wide.lengths)}",
+                          lambda dev, m=method: check_method(m, {}, wide, ops.LaunchConfig(), dev, softcap=5.0),
+                          family="large", interpret=False, tags=(method, "softcap")))
     big = Shape((4000, 1500, 777), kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16)
     for method, options in (("kivi4", {}), ("kivi2", {}), ("int8", {}), ("fp8", {}), ("snapkv", {}),
                             ("quest", {}), ("quest", {"heads": "query"})):
@@ -581,6 +588,7 @@ def run(device: str, only: list[str] | None = None, family: str | None = None, s
         t0 = time.perf_counter()
         try:
             err = case.run(dev)
+            _no_fallback()
             passed += 1
             print(f"ok    {case.name}: max abs error {err:.2e} ({time.perf_counter() - t0:.1f} s)", flush=True)
         except Exception as exc:  # report every case, then fail
@@ -589,6 +597,18 @@ def run(device: str, only: list[str] | None = None, family: str | None = None, s
     print(f"{passed} passed, {failures} failed, {time.perf_counter() - start:.1f} s, device {device}, "
           f"{'interpreter' if interpreted else 'compiled'}")
     return 1 if failures or not passed else 0
+
+
+def _no_fallback() -> None:
+    """A draft launch that fails turns the kernels off and the store drafts on its torch twin
+    (kernels.turn_draft_kernels_off): a case compared against that twin would then pass
+    without its kernel having run. Such a case fails here, and the next case starts with the
+    kernels on again."""
+    import sgl_vericache.kernels as kernels
+
+    failure, kernels._draft_failure = kernels.draft_kernels_failed(), None
+    if failure is not None:
+        raise AssertionError(f"the kernel fell back to torch: {failure}")
 
 
 def main() -> None:

@@ -205,8 +205,9 @@ def _round_methods(methods):
 def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False, softcap: float = 0.0) -> float:
     """spec.warm_up compiles every kernel variant that later draft rounds launch: rounds of
     other lengths, batch sizes, draft lengths, a teacher-forced one, requests sharing a
-    compressor and mixing several, after the warm-up, launch no kernel whose Triton cache
-    key the warm-up did not (and on CUDA, compile nothing new); ``sinks``: for a model with
+    compressor and mixing several, and the same over entries long enough to be addressed in
+    int64 (``_long_entries``), after the warm-up, launch no kernel whose Triton cache key the
+    warm-up did not (and on CUDA, compile nothing new); ``sinks``: for a model with
     attention sinks (its rounds pass them, as bf16 values the warm-up never saw); ``softcap``:
     for a model whose attention soft-caps its scores at that cap."""
     from sgl_vericache.spec.drafter import CompressedKVStore
@@ -230,24 +231,45 @@ def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False, softcap
     prompt_q = torch.randn(8, 6, 64, generator=_gen(51)).to(dtype).to(device)
     store = CompressedKVStore(comps[methods[0]], num_layers=2, draft_kernels=True)
     g = _gen(52)
+
+    def step(attend, rows: int) -> None:
+        q = torch.randn(rows, 6, 64, generator=g).to(dtype).to(device)
+        kn, vn = (torch.randn(rows, 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
+        attend(q, kn, vn, 0.125, sink, softcap or None)
+
+    every = list(range(len(req_methods)))
     with LaunchKeys() as real:
-        for grow, batch, steps in ((0, [0], 3), (17, list(range(len(req_methods))), 5), (40, [1, 0], 2)):
-            for i, (k, v) in enumerate(kv):
-                store.sync(i, lengths[i] + grow, lambda _, a, b, k=k, v=v: (k[a:b], v[a:b]),
-                           compressor=comps[req_methods[i]], queries=[prompt_q, prompt_q])
-            store.begin_round(batch, steps)
-            for _ in range(steps):
-                q = torch.randn(len(batch), 6, 64, generator=g).to(dtype).to(device)
-                kn, vn = (torch.randn(len(batch), 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
-                for layer in (0, 1):
-                    store.attend(layer, q, kn, vn, 0.125, sink, softcap or None)
-        if "quest" != req_methods[-1]:
-            store.begin_round([len(req_methods) - 1], 4)
-            q = torch.randn(4, 6, 64, generator=g).to(dtype).to(device)
-            kn, vn = (torch.randn(4, 2, 64, generator=g).to(dtype).to(device) for _ in range(2))
-            store.attend_tokens(0, q, kn, vn, 0.125, sink, softcap or None)
+        for long, rounds in ((False, ((0, [0], 3), (17, every, 5), (40, [1, 0], 2))), (True, ((40, [0], 1),
+                                                                                              (40, every, 1)))):
+            with _long_entries(long):
+                for grow, batch, steps in rounds:
+                    for i, (k, v) in enumerate(kv):
+                        store.sync(i, lengths[i] + grow, lambda _, a, b, k=k, v=v: (k[a:b], v[a:b]),
+                                   compressor=comps[req_methods[i]], queries=[prompt_q, prompt_q])
+                    store.begin_round(batch, steps)
+                    for _ in range(steps):
+                        for layer in (0, 1):
+                            step(lambda *a, layer=layer: store.attend(layer, *a), len(batch))
+                if "quest" != req_methods[-1]:
+                    store.begin_round([len(req_methods) - 1], 4)
+                    step(lambda *a: store.attend_tokens(0, *a), 4)
     store.clear()
     return _all_warmed(warm, real, device, compiled)
+
+
+class _long_entries:
+    """While entered with ``on``, launches address their entries in int64, as one past 2^31
+    elements is (``ops.offsets32`` says no): no entry short enough to run here reaches that."""
+
+    def __init__(self, on: bool):
+        self.on, self.saved = on, ops.offsets32
+
+    def __enter__(self):
+        if self.on:
+            ops.offsets32 = lambda *args: False
+
+    def __exit__(self, *exc):
+        ops.offsets32 = self.saved
 
 
 def check_window_rounds(device, dtype=torch.float32, group=3, head_dim=64, sinks: bool = False,

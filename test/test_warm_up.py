@@ -71,8 +71,8 @@ def test_no_warm_up_where_drafting_runs_on_torch():
 
 
 def test_a_failed_warm_up_is_logged_and_the_worker_goes_on(monkeypatch, caplog):
-    monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: True)
-    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: False)
+    monkeypatch.setattr("sgl_vericache.kernels.draft_kernels_off", lambda device: None)
+    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_off", lambda device: "no GPU")
     seam = _Seam(device="cuda", error=RuntimeError("no heads here"))
     with caplog.at_level(logging.INFO, logger="sgl_vericache.spec.warm_up"):
         _speculator(seam).warm_up_kernels()
@@ -86,8 +86,8 @@ def test_a_failed_warm_up_is_logged_and_the_worker_goes_on(monkeypatch, caplog):
 
 
 def test_without_warm_up_the_kernels_compile_at_first_use(monkeypatch):
-    monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: True)
-    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: True)
+    monkeypatch.setattr("sgl_vericache.kernels.draft_kernels_off", lambda device: None)
+    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_off", lambda device: None)
     monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_up", lambda *a: pytest.fail("compiled"))
     spec = _speculator(_Seam(device="cuda"))
     spec.warm_up_kernels(compile_now=False)
@@ -107,8 +107,8 @@ def test_the_worker_warms_its_configured_compressors_with_its_layout(monkeypatch
         calls.append((compressors, layout, device, windows))
         return 1.5
 
-    monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: True)
-    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: False)
+    monkeypatch.setattr("sgl_vericache.kernels.draft_kernels_off", lambda device: None)
+    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_off", lambda device: "no GPU")
     monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_up", fake_warm_up)
     seam = _Seam(device="cuda")
     seam.windows = windows
@@ -121,6 +121,99 @@ def test_the_worker_warms_its_configured_compressors_with_its_layout(monkeypatch
     names = ", ".join(AUTO_CANDIDATES) if compressor == "auto" else compressor
     names += " and sliding-window layers" if windows else ""
     assert f"draft kernels for {names} ready in 1.5 s" in caplog.text, caplog.text
+
+
+def _a_gpu(monkeypatch, capability=(9, 0)):
+    """The chooser sees a CUDA device of this compute capability, with no draft kernel failed yet."""
+    from sgl_vericache import kernels
+
+    monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(kernels.VERIFY_DISABLE_ENV, raising=False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(kernels, "_draft_failure", None)
+
+
+def test_a_failed_draft_warm_up_turns_the_draft_kernels_off(monkeypatch, caplog):
+    """A draft kernel that fails to compile at start-up (out of shared memory on a smaller
+    GPU, a ptxas error) would fail the same way in the first round: the drafts run on the
+    dense torch path instead, from the start, and /server_info says why."""
+    from triton.runtime.errors import OutOfResources
+
+    from sgl_vericache import kernels
+    from sgl_vericache.spec.drafter import kernels_on
+
+    _a_gpu(monkeypatch)
+
+    def failing_warm_up(compressors, layout, device, windows=False):
+        raise OutOfResources(232448, 101376, "shared memory")
+
+    monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_up", failing_warm_up)
+    monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_verify", lambda *a: 0.5)
+    spec = _speculator(_Seam(device="cuda"), compressor="kivi2")
+    with caplog.at_level(logging.INFO, logger="sgl_vericache"):
+        spec.warm_up_kernels()
+    assert spec.kernels["draft"] == ("off: compiling the draft kernels for kivi2 failed: OutOfResources: out of "
+                                     "resource: shared memory, Required: 232448, Hardware limit: 101376. Reducing "
+                                     "block sizes or `num_stages` may help."), spec.kernels
+    assert spec.kernels["verify"] == "ready in 0.5 s"
+    assert not spec.store.kernels_on("cuda") and not kernels_on(True, "cuda")
+    assert kernels.draft_kernels_off("cuda") == spec.kernels["draft"][len("off: "):]
+    warned = [r.getMessage() for r in caplog.records if "dense torch path" in r.getMessage()]
+    assert len(warned) == 1 and "compiling the draft kernels for kivi2 failed" in warned[0], warned
+
+
+def test_a_draft_warm_up_out_of_memory_leaves_the_kernels_on(monkeypatch):
+    """Running out of memory at start-up is not the kernels' failing: they compile at first use."""
+    from sgl_vericache import kernels
+
+    _a_gpu(monkeypatch)
+
+    def failing_warm_up(compressors, layout, device, windows=False):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_up", failing_warm_up)
+    monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_verify", lambda *a: 0.5)
+    spec = _speculator(_Seam(device="cuda"))
+    spec.warm_up_kernels()
+    assert spec.kernels["draft"] == "compiled at first use (warm-up failed: OutOfMemoryError: CUDA out of memory)"
+    assert kernels.draft_kernels_failed() is None and spec.store.kernels_on("cuda")
+
+
+def test_a_warm_up_round_that_falls_back_reports_the_drafts_off(monkeypatch):
+    """A launch failing inside the warm-up's rounds is caught there, as in any round
+    (KernelDraftRound, the window rounds): the warm-up then reports that the device drafts on
+    torch (None) and the status names the failure."""
+    from triton.runtime.errors import OutOfResources
+
+    from sgl_vericache import kernels
+    from sgl_vericache.kernels import ops
+
+    _a_gpu(monkeypatch)
+    launches = []
+
+    def launch(*args, **kwargs):
+        launches.append(1)
+        raise OutOfResources(232448, 101376, "shared memory")
+
+    monkeypatch.setattr(ops, "decode_attention", launch)
+    comps = _speculator(_Seam(), compressor="kivi2").planner.configured_compressors()
+    assert warm_up(comps, LAYOUT, torch.device("cpu"), draft_kernels=True, lengths=(120, 70), windows=True) is None
+    assert len(launches) == 1 and kernels.draft_kernels_failed().startswith("a draft kernel failed: OutOfResources")
+
+    monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_up", lambda *a, **kw: None)
+    spec = _speculator(_Seam(device="cuda"))
+    spec.warm_up_kernels()
+    assert spec.kernels["draft"] == f"off: {kernels.draft_kernels_failed()}"
+
+
+def test_the_status_says_why_a_gpu_keeps_the_torch_path(monkeypatch):
+    _a_gpu(monkeypatch, capability=(7, 5))
+    monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_up", lambda *a, **kw: pytest.fail("compiled"))
+    spec = _speculator(_Seam(device="cuda"))
+    spec.warm_up_kernels()
+    reason = "off: compute capability 7.5: the kernels need 8.0 or newer (bf16 tensor cores)"
+    assert spec.kernels["draft"] == reason and spec.kernels["verify"] == reason, spec.kernels
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -136,8 +229,8 @@ def test_the_worker_warms_the_verify_kernel_for_its_longest_block(monkeypatch, c
             raise RuntimeError("no compiler here")
         return 0.5
 
-    monkeypatch.setattr("sgl_vericache.kernels.draft_attention_available", lambda device: False)
-    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_available", lambda device: True)
+    monkeypatch.setattr("sgl_vericache.kernels.draft_kernels_off", lambda device: "no GPU")
+    monkeypatch.setattr("sgl_vericache.kernels.verify_kernel_off", lambda device: None)
     monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_verify", fake_warm_verify)
     specs = []
     for draft_len in (12, 4):

@@ -2,6 +2,8 @@
 the full paged pool where it lies (verify).
 
     draft_attention_available(device)   may the drafter use the kernels on this device?
+    draft_kernels_off(device)            if not, why (/server_info's vericache_kernels)
+    turn_draft_kernels_off(exc)          a draft kernel failed: the dense torch path from now on
     draft_head_dim(head_dim)             do the draft kernels read heads of this size?
     ops.decode_attention(packed, q, ...) one launch: a batch of rows over packed entries
     verify_kernel_available(device)      may verify attention use its kernel on this device?
@@ -21,37 +23,104 @@ neither triton nor CUDA: the submodules do.
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Optional
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 DISABLE_ENV = "SGL_VERICACHE_DRAFT_KERNELS"  # "0": the drafter keeps its dense torch path on CUDA too
 VERIFY_DISABLE_ENV = "SGL_VERICACHE_VERIFY_KERNEL"  # "0": verify attention keeps its torch path on CUDA too
+# bf16 products (tl.dot, mma) need sm_80, and Triton's support for older GPUs has been cut back
+MIN_CAPABILITY = (8, 0)
+MAX_DRAFT_HEAD_DIM = 256  # the largest head the draft launches have been sized for (verify.MAX_HEAD_DIM too)
+
+# why the draft kernels were turned off in this process (a kernel failed: turn_draft_kernels_off), or None
+_draft_failure: Optional[str] = None
 
 
 def draft_attention_available(device: torch.device | str) -> bool:
-    """True where the drafter should run its attention on these kernels: a CUDA device with
-    Triton importable, unless SGL_VERICACHE_DRAFT_KERNELS=0. On CPU always False (the CPU
-    path stays the torch one; tests reach the kernels there through Triton's interpreter)."""
-    return _kernels_on(device, DISABLE_ENV)
+    """True where the drafter should run its attention on these kernels (``draft_kernels_off``
+    names no reason). On CPU always False (the CPU path stays the torch one; tests reach the
+    kernels there through Triton's interpreter)."""
+    return draft_kernels_off(device) is None
+
+
+def draft_kernels_off(device: torch.device | str) -> Optional[str]:
+    """Why draft attention keeps its dense torch path on ``device`` (/server_info shows it),
+    or None where it runs on the kernels: a CUDA device of compute capability 8.0 or newer,
+    not ROCm, with Triton importable, unless SGL_VERICACHE_DRAFT_KERNELS=0 or a kernel has
+    failed in this process (``turn_draft_kernels_off``)."""
+    return _draft_failure or _kernels_off(device, DISABLE_ENV, "draft")
+
+
+def draft_kernels_failed() -> Optional[str]:
+    """The failure that turned the draft kernels off in this process, or None."""
+    return _draft_failure
+
+
+def turn_draft_kernels_off(exc: BaseException, when: str = "a draft kernel failed") -> None:
+    """A draft kernel failed to compile or launch (``exc``; or the warm-up did): every draft
+    round of this process from now on, in every store and sliding-window round, takes the
+    dense torch path. Such a failure is a property of the GPU and Triton, so trying again
+    would fail again; under tensor parallelism identical GPUs fail alike, and the ranks'
+    heads are summed all the same. Drafts only propose, so the output stays exact. The first
+    failure is kept (``draft_kernels_off`` names it) and logged with its traceback."""
+    global _draft_failure
+    if _draft_failure is None:
+        _draft_failure = " ".join(f"{when}: {type(exc).__name__}: {exc}".split())[:300]
+        logger.warning("VeriCache: %s; drafts run on the dense torch path from now on", _draft_failure,
+                       exc_info=exc)
+
+
+def launch_failed(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a draft kernel launch, is a failure the dense torch path
+    stands in for: Triton's compile, resource (shared memory, registers) and ptxas errors,
+    and the launch's own RuntimeErrors; never running out of device memory, which the
+    round handles itself (spec/round.py lets the compressed entries go)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    if isinstance(exc, RuntimeError):
+        return True
+    from triton.errors import TritonError  # imported already: a kernel was launched
+
+    return isinstance(exc, TritonError)
 
 
 def draft_head_dim(head_dim: int) -> bool:
-    """The draft decode kernels read heads of this size: a power of two from 16 up."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    """The draft decode kernels read heads of this size: a power of two from 16 to 256 (a
+    larger head's fp32 accumulators and tiles have never been compiled; it drafts on torch)."""
+    return 16 <= head_dim <= MAX_DRAFT_HEAD_DIM and head_dim & (head_dim - 1) == 0
 
 
 def verify_kernel_available(device: torch.device | str) -> bool:
-    """True where verify attention should run on its Triton kernel (verify.py): a CUDA
-    device with Triton importable, unless SGL_VERICACHE_VERIFY_KERNEL=0. On CPU always False."""
-    return _kernels_on(device, VERIFY_DISABLE_ENV)
+    """True where verify attention should run on its Triton kernel (verify.py): the same
+    devices as the drafts' (``verify_kernel_off`` names no reason). On CPU always False."""
+    return verify_kernel_off(device) is None
 
 
-def _kernels_on(device: torch.device | str, disable_env: str) -> bool:
-    if torch.device(device).type != "cuda" or os.environ.get(disable_env, "1") == "0":
-        return False
+def verify_kernel_off(device: torch.device | str) -> Optional[str]:
+    """Why verify attention keeps its torch path on ``device``, or None (as
+    ``draft_kernels_off``, switched off by SGL_VERICACHE_VERIFY_KERNEL=0)."""
+    return _kernels_off(device, VERIFY_DISABLE_ENV, "verify")
+
+
+def _kernels_off(device: torch.device | str, disable_env: str, what: str) -> Optional[str]:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"{what} attention runs on torch here"
+    if os.environ.get(disable_env, "1") == "0":
+        return f"{disable_env}=0"
+    if torch.version.hip:  # ROCm calls its devices "cuda" too
+        return f"ROCm (HIP {torch.version.hip}): the kernels decode with inline NVIDIA PTX"
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        return (f"compute capability {capability[0]}.{capability[1]}: the kernels need "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (bf16 tensor cores)")
     try:
         import triton  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "Triton is not installed"
+    return None

@@ -24,6 +24,7 @@ import torch
 
 from sgl_vericache.cpu.linear import weights_generation
 
+from . import MAX_DRAFT_HEAD_DIM, draft_head_dim
 from . import triton_decode as td
 from . import triton_quest as tq
 from .packing import ADDR_COLS, FMT_DENSE, FMT_FP8, FMT_INT8, FMT_KIVI, META_COLS, PackedKV, RowTable
@@ -267,8 +268,9 @@ def _check(packed: PackedKV, q: torch.Tensor, rows: RowTable) -> int:
     num_rows, num_q_heads, head_dim = q.shape
     if head_dim != packed.head_dim or num_q_heads % packed.num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit {packed.num_kv_heads} KV heads of dim {packed.head_dim}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"the draft kernels need a power-of-two head_dim >= 16, got {head_dim}")
+    if not draft_head_dim(head_dim):
+        raise ValueError(f"the draft kernels need a power-of-two head_dim from 16 to {MAX_DRAFT_HEAD_DIM}, "
+                         f"got {head_dim}")
     assert rows.meta.shape == (num_rows, META_COLS) and rows.meta.dtype == torch.int32, rows.meta.shape
     return num_q_heads // packed.num_kv_heads
 

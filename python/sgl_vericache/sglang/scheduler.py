@@ -290,7 +290,7 @@ def install_internal_state(runtime: Runtime) -> None:
     """``/server_info`` (``Engine.get_server_info()``) ``internal_states[i]["vericache"]``: the
     worker's counters and gauges (the same numbers ``/metrics`` has with --enable-metrics);
     ``["vericache_kernels"]``: the head layout the GPU kernels were warmed for and what
-    their start-up warm-up did;
+    their start-up warm-up did (``draft``: ``off: ...`` once a draft kernel failed);
     ``["vericache_windows"]``: the model's sliding-window layers and how they draft;
     ``["vericache_memory"]``: how the KV budget was split (install_draft_memory_reserve);
     ``["vericache_preempted"]``: preempted requests whose KV stayed in the tree, and the
@@ -308,6 +308,10 @@ def install_internal_state(runtime: Runtime) -> None:
                 speculator.stats.gauge("captured_query_requests", len(speculator.queries))
                 state["vericache"] = speculator.stats.snapshot()
                 state["vericache_kernels"] = dict(speculator.kernels)
+                from sgl_vericache.kernels import draft_kernels_failed  # imports neither triton nor CUDA
+
+                if draft_kernels_failed() is not None:  # a launch failed while serving: drafts on torch since
+                    state["vericache_kernels"]["draft"] = f"off: {draft_kernels_failed()}"
                 state["vericache_windows"] = dict(speculator.window_layers)
             if rt.draft_memory is not None:
                 state["vericache_memory"] = rt.draft_memory.as_dict()

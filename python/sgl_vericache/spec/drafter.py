@@ -52,15 +52,14 @@ class _Round:
 def kernels_on(draft_kernels: Optional[bool], device) -> bool:
     """Whether draft rounds on ``device`` run on the GPU kernels (each row's own entry read
     where it lies) rather than the dense path (every row padded to the longest):
-    ``draft_kernels`` as asked, None: where they are available (CUDA). CPU behaviour is
-    unchanged: no import happens there."""
-    if draft_kernels is not None:
-        return draft_kernels
-    if torch.device(device).type != "cuda":
-        return False
-    from sgl_vericache.kernels import draft_attention_available
+    ``draft_kernels`` as asked, None: where they are available (CUDA); never once a kernel
+    has failed in this process (``kernels.turn_draft_kernels_off``). The kernels' package
+    imports neither triton nor CUDA."""
+    from sgl_vericache.kernels import draft_attention_available, draft_kernels_failed
 
-    return draft_attention_available(device)
+    if draft_kernels is not None:
+        return draft_kernels and draft_kernels_failed() is None
+    return torch.device(device).type == "cuda" and draft_attention_available(device)
 
 
 def _stale(entry, verified_len: int, compressor: KVCompressor) -> bool:
@@ -71,7 +70,8 @@ class CompressedKVStore:
     def __init__(self, compressor: KVCompressor, num_layers: int, draft_kernels: Optional[bool] = None):
         """``draft_kernels``: None runs draft attention on the GPU kernels (sgl_vericache.kernels)
         when the entries are on a device they serve (CUDA), else on the dense buffers below;
-        True always uses the kernels (tests, under Triton's interpreter), False never."""
+        True uses the kernels wherever (tests, under Triton's interpreter) until one fails,
+        False never."""
         self.compressor = compressor
         self.num_layers = num_layers
         self.draft_kernels = draft_kernels
@@ -175,7 +175,11 @@ class CompressedKVStore:
         entries = [self._entries[rid] for rid in rids]
         self._kernel_round = self._start_kernel_round(entries, steps, unread)
         if self._kernel_round is not None:
-            self._round, self._laid_out = None, []  # the dense buffers sit this round out
+            # the dense buffers sit this round out: let them go (a dense round, for a layout
+            # the kernels do not read, would otherwise hold [B, H_kv, L, D] x layers x 2 on)
+            self._round, self._laid_out = None, []
+            self._k_buf = [None] * self.num_layers
+            self._v_buf = [None] * self.num_layers
             return
         sources = self._sources(entries)
         tails = [self._tails(entry, src) for entry, src in zip(entries, sources)]

@@ -2,15 +2,17 @@
 
 On a GPU the drafter's attention runs on Triton kernels (``sgl_vericache.kernels``) that
 compile on first use: each compressor's format in two variants (a lone request's entry;
-several read in place through their address table), and the split merge for every split
-count a launch picks. Left to the first requests, those compiles (seconds each on a first
+several read in place through their address table), each again addressing entries in int64
+(an entry past 2^31 elements: ``ops.offsets32``), and the split merge for every split count
+a launch picks. Left to the first requests, those compiles (seconds each on a first
 start; Triton caches them on disk for the next) land inside their draft rounds. ``warm_up``
 runs a small draft round per compressor through a throwaway ``CompressedKVStore`` of one
 layer, with the model's head layout, dtypes and logit soft cap, so the rounds that follow
 find every variant they launch already compiled: kernel variants depend on the head layout,
 dtypes, soft cap, sinks and compressor options, never on the lengths a round sees (the
 kernels do not specialize on them; test/kernel_checks.py's warm-up cases compare Triton's
-own cache keys).
+own cache keys). A draft warm-up that fails turns the draft kernels off for the process
+(``kernels.turn_draft_kernels_off``): drafts then run on the dense torch path.
 
 ``warm_verify`` does the same for the verify kernel (kernels/verify.py), whose variants
 depend on the head layout, dtypes, whether the model soft-caps its attention scores (or has
@@ -70,7 +72,7 @@ def warm_up(compressors: Sequence[KVCompressor], layout: HeadLayout, device: tor
     requests of ``lengths`` tokens, with ``windows`` one of sliding-window layers over a
     pool (spec/window_draft.py), and the split merge at every split count; seconds taken,
     or None when this device drafts on the dense torch path (``draft_kernels`` as
-    CompressedKVStore takes it: None = the kernels on CUDA)."""
+    CompressedKVStore takes it: None = the kernels on CUDA), now or after a kernel failed."""
     device = torch.device(device)
     if not kernels_on(draft_kernels, device):  # as CompressedKVStore decides
         return None
@@ -83,6 +85,8 @@ def warm_up(compressors: Sequence[KVCompressor], layout: HeadLayout, device: tor
         _warm_compressor(comp, layout, device, gen, draft_kernels, lengths)
     if windows:
         _warm_window(layout, device, gen, lengths)
+    if not kernels_on(draft_kernels, device):  # a round fell back: the kernels failed, drafts are on torch
+        return None
     ops.warm_merges(layout.num_q_heads, layout.head_dim, layout.q_dtype, device, sinks=layout.sinks)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -91,6 +95,15 @@ def warm_up(compressors: Sequence[KVCompressor], layout: HeadLayout, device: tor
 
 def _randn(gen, shape, dtype, device) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def _step(attend, rows: int, layout: HeadLayout, device, gen) -> None:
+    """One draft step of layer 0 for ``rows`` query rows (a batch's requests, or one request's
+    teacher-forced tokens), with the layout's sinks and soft cap."""
+    q = _randn(gen, (rows, layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
+    k_new, v_new = (_randn(gen, (rows, layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device)
+                    for _ in range(2))
+    attend(0, q, k_new, v_new, layout.head_dim ** -0.5, layout.sink_values(device), layout.logit_cap or None)
 
 
 def _warm_compressor(comp: KVCompressor, layout: HeadLayout, device, gen, draft_kernels, lengths) -> None:
@@ -102,23 +115,35 @@ def _warm_compressor(comp: KVCompressor, layout: HeadLayout, device, gen, draft_
     rids = list(range(len(lengths)))
     for rid, ((k, v), n) in enumerate(zip(kv, lengths)):
         store.sync(rid, n, lambda _, a, b, k=k, v=v: (k[a:b], v[a:b]), queries=queries)
-    scale, sinks, cap = layout.head_dim ** -0.5, layout.sink_values(device), layout.logit_cap or None
     try:
         for batch in ([rids[0]], rids):  # a lone entry, then several read together
             store.begin_round(batch, 2)
             for _ in range(2):
-                q = _randn(gen, (len(batch), layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
-                k_new, v_new = (_randn(gen, (len(batch), layout.num_kv_heads, layout.head_dim), layout.kv_dtype,
-                                       device) for _ in range(2))
-                store.attend(0, q, k_new, v_new, scale, sinks, cap)
+                _step(store.attend, len(batch), layout, device, gen)
         if not selects_per_step(comp):  # a prompt's tokens past its entry, drafted at once
             store.begin_round([rids[0]], 3)
-            q = _randn(gen, (3, layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
-            k_new, v_new = (_randn(gen, (3, layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device)
-                            for _ in range(2))
-            store.attend_tokens(0, q, k_new, v_new, scale, sinks, cap)
+            _step(store.attend_tokens, 3, layout, device, gen)
+        _warm_long_entries(store, rids, layout, device, gen)
     finally:
         store.clear()
+
+
+def _warm_long_entries(store: CompressedKVStore, rids: list, layout: HeadLayout, device, gen) -> None:
+    """The variants that address entries in int64, which a round launches for an entry past
+    2^31 elements (``ops.offsets32``: 524k tokens at 32 KV heads of 128, 2M at 8): a lone
+    entry and several, as the store's rounds read them. Else the first such request's round
+    would compile them, seconds each, with every request of its batch waiting."""
+    if not store.kernels_on(device):  # a kernel failed above: drafts are on torch now
+        return
+    from sgl_vericache.kernels import ops
+    from sgl_vericache.kernels.draft_round import KernelDraftRound
+
+    rows = [(comp, list(layers)) for comp, layers, _ in (store.entry(rid) for rid in rids)]
+    if not KernelDraftRound.supports(rows):
+        return
+    for batch in (rows[:1], rows):
+        draft = KernelDraftRound(batch, 2, store.num_layers, config=ops.LaunchConfig(int32_offsets=False))
+        _step(draft.attend, len(batch), layout, device, gen)
 
 
 def _warm_window(layout: HeadLayout, device, gen, lengths) -> None:
@@ -132,10 +157,7 @@ def _warm_window(layout: HeadLayout, device, gen, lengths) -> None:
     draft = WindowedDraft(None, {0: min(lengths) // 2}, lambda _: pool, kernels=True)
     draft.begin_round(list(rows), list(lengths), 2)
     for _ in range(2):
-        q = _randn(gen, (len(lengths), layout.num_q_heads, layout.head_dim), layout.q_dtype, device)
-        k_new, v_new = (_randn(gen, (len(lengths), layout.num_kv_heads, layout.head_dim), layout.kv_dtype, device)
-                        for _ in range(2))
-        draft.attend(0, q, k_new, v_new, layout.head_dim ** -0.5, layout.sink_values(device), layout.logit_cap or None)
+        _step(draft.attend, len(lengths), layout, device, gen)
     draft.end_round()
 
 
@@ -178,18 +200,17 @@ def warm_up_kernels(kernels: dict, device, compressors: Sequence[KVCompressor], 
     """A worker's warm-up at start: read the model's head layout (``read_layout()``) and
     compile the draft kernels for ``compressors`` (and sliding-window layers, ``windows``)
     and the verify kernel for blocks of up to ``draft_len + 1`` tokens; nothing to compile
-    on a device that runs them on torch, or without ``compile_now``
-    (--no-vericache-warm-up-kernels). What happened goes to ``kernels`` (/server_info's
-    ``vericache_kernels``); a failure is logged and the server goes on (the kernels then
-    compile at first use)."""
-    from sgl_vericache.kernels import draft_attention_available, verify_kernel_available
+    on a device that runs them on torch (its reason goes to the status), or without
+    ``compile_now`` (--no-vericache-warm-up-kernels). What happened goes to ``kernels``
+    (/server_info's ``vericache_kernels``); a failure is logged and the server goes on: the
+    drafts on the dense torch path from then on, the verify kernel compiled at first use."""
+    from sgl_vericache.kernels import draft_kernels_failed, draft_kernels_off, verify_kernel_off
 
-    drafts = draft_attention_available(device)
-    verifies = verify_kernel_available(device) and not deterministic
-    kernels["draft"] = "pending" if drafts else "off: draft attention runs on torch here"
+    draft_off, verify_off = draft_kernels_off(device), verify_kernel_off(device)
+    drafts, verifies = draft_off is None, verify_off is None and not deterministic
+    kernels["draft"] = "pending" if drafts else f"off: {draft_off}"
     kernels["verify"] = "pending" if verifies else (
-        "off: deterministic mode verifies on torch" if verify_kernel_available(device)
-        else "off: verify attention runs on torch here")
+        "off: deterministic mode verifies on torch" if verify_off is None else f"off: {verify_off}")
     what_drafts = "the draft kernels for " + ", ".join(c.name for c in compressors) + (
         " and sliding-window layers" if windows else "")
     what_verify = f"the verify kernel for blocks of up to {draft_len + 1} tokens"
@@ -208,9 +229,13 @@ def warm_up_kernels(kernels: dict, device, compressors: Sequence[KVCompressor], 
         _not_warmed(kernels, "no attention layer found" if layout is None else "not asked to")
         return
     if drafts:
-        kernels["draft"] = _warm(what_drafts, layout, lambda: warm_up(compressors, layout, device, windows=windows))
+        status = _warm(what_drafts, layout, lambda: warm_up(compressors, layout, device, windows=windows),
+                       _drafts_failed)
+        failure = draft_kernels_failed()  # the warm-up failed, or a round of it fell back to torch
+        kernels["draft"] = status if failure is None else f"off: {failure}"
     if verifies:
-        kernels["verify"] = _warm(what_verify, layout, lambda: warm_verify(layout, draft_len + 1, device))
+        kernels["verify"] = _warm(what_verify, layout, lambda: warm_verify(layout, draft_len + 1, device),
+                                  _compiled_at_first_use)
 
 
 def _not_warmed(kernels: dict, why: str) -> None:
@@ -219,14 +244,30 @@ def _not_warmed(kernels: dict, why: str) -> None:
             kernels[key] = f"compiled at first use ({why})"
 
 
-def _warm(what: str, layout, compile_them) -> str:
+def _warm(what: str, layout, compile_them, failed: Callable[[str, Exception], str]) -> str:
     logger.info("VeriCache: compiling %s (%s)", what, layout)
     try:
         seconds = compile_them()
     except Exception as exc:  # a warm-up is an optimization: never the reason a server fails to start
-        logger.exception("VeriCache: compiling %s at start-up failed; they compile at first use instead", what)
-        return f"compiled at first use (warm-up failed: {type(exc).__name__}: {exc})"[:300]
+        return failed(what, exc)
     if seconds is None:
         return "off"
     logger.info("VeriCache: %s ready in %.1f s", what, seconds)
     return f"ready in {seconds:.1f} s"
+
+
+def _drafts_failed(what: str, exc: Exception) -> str:
+    """The draft kernels failed to compile (a GPU short of shared memory for a variant, a
+    ptxas error): they would fail the same way in a round, so drafts run on torch ("off":
+    warm_up_kernels names the failure). Running out of memory is not the kernels' doing."""
+    from sgl_vericache.kernels import turn_draft_kernels_off
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return _compiled_at_first_use(what, exc)
+    turn_draft_kernels_off(exc, f"compiling {what} failed")  # logged there, with the traceback
+    return "off"
+
+
+def _compiled_at_first_use(what: str, exc: Exception) -> str:
+    logger.exception("VeriCache: compiling %s at start-up failed; they compile at first use instead", what)
+    return f"compiled at first use (warm-up failed: {type(exc).__name__}: {exc})"[:300]

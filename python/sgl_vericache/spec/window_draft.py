@@ -27,8 +27,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from sgl_vericache.kernels import draft_head_dim
-
+from sgl_vericache.kernels import draft_head_dim, draft_kernels_failed, launch_failed, turn_draft_kernels_off
 from sgl_vericache.mem_cache.compress import attention
 
 KVBuffers = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -39,8 +38,8 @@ class WindowedDraft:
         """``windows``: layer id -> its window (a query at p sees p - window .. p), for the
         model's sliding-window layers only. ``kernels``: None runs the attention on the draft
         decode kernel (``sgl_vericache.kernels``: reading the pool in place, no gather) where
-        the pool is on a device it serves (CUDA), True always (tests, under Triton's
-        interpreter), False never."""
+        the pool is on a device it serves (CUDA), True wherever (tests, under Triton's
+        interpreter), False never; never once a draft kernel has failed in this process."""
         if not windows or any(w < 0 for w in windows.values()):
             raise ValueError(f"sliding windows {dict(windows)!r}: accepted: at least one layer, windows >= 0")
         self.store = store
@@ -58,7 +57,7 @@ class WindowedDraft:
 
     def _on_kernels(self, slots: Sequence[torch.Tensor]) -> bool:
         if self.kernels is not None or not slots:
-            return bool(self.kernels)
+            return bool(self.kernels) and draft_kernels_failed() is None
         if slots[0].device.type != "cuda":
             return False
         from sgl_vericache.kernels import draft_attention_available
@@ -122,8 +121,14 @@ class _WindowRound:
             self.v_extra[layer_id] = v_new.new_empty((self.rows, self.steps, *v_new.shape[1:]))
         self.k_extra[layer_id][:, step] = k_new
         self.v_extra[layer_id][:, step] = v_new
-        if self.kernels and step <= window and draft_head_dim(k_new.shape[-1]):
-            return self._kernel_attend(layer_id, window, pools, q, scale, step, sinks, softcap)
+        if self.kernels and step <= window and _kernel_reads(pools):
+            try:
+                return self._kernel_attend(layer_id, window, pools, q, scale, step, sinks, softcap)
+            except Exception as exc:  # the torch path below stands in: the kernels are off from now on
+                if not launch_failed(exc):
+                    raise
+                turn_draft_kernels_off(exc)
+                self.kernels = False
         masked = self._masks.get((window, step))
         if masked is None:
             first = max(0, self.index.shape[1] - max(window - step, 0))  # older columns no row sees
@@ -154,7 +159,10 @@ class _WindowRound:
         table = self._tables.get((window, step))
         if table is None:
             counts = [max(0, min(n, window - step)) for n in self.verified]  # positions n - c .. n - 1
-            indices = self.index[self._pool_visible(window, step)].to(torch.int32)  # row by row, ascending
+            # row by row, ascending: each row's last counts[b] columns (right-aligned; sliced by
+            # host counts, where a boolean mask would wait for the GPU at every draft step)
+            widest = self.index.shape[1]
+            indices = torch.cat([self.index[b, widest - c:] for b, c in enumerate(counts)]).to(torch.int32)
             if not indices.numel():
                 indices = torch.zeros(1, dtype=torch.int32, device=self.index.device)  # a kernel argument needs storage
             table = self._tables[(window, step)] = (indices, counts,
@@ -163,3 +171,10 @@ class _WindowRound:
         return ops.decode_attention(paged_pool(k_pool, v_pool, indices, counts), q, scale, rows,
                                     self.k_extra[layer_id], self.v_extra[layer_id], ext_add=step + 1, sinks=sinks,
                                     softcap=softcap)
+
+
+def _kernel_reads(pools: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """The decode kernel reads these pools: heads of a size it reads, each pool laid out
+    [slots, H_kv, D] contiguously (it addresses row (slot * H_kv + head) * D; SGLang's MHA
+    pools are, but a view into a shared or padded buffer would be read at the wrong rows)."""
+    return draft_head_dim(pools[0].shape[-1]) and all(p.is_contiguous() for p in pools)
