@@ -571,11 +571,15 @@ def _selected(cases: list[Case], only: list[str] | None, family: str | None) -> 
             and (not family or c.family == family)]
 
 
-def run(device: str, only: list[str] | None = None, family: str | None = None, shard: tuple[int, int] = (0, 1)) -> int:
-    """Every selected case (of shard k of n: every n-th from the k-th), one line each."""
+def run(device: str, only: list[str] | None = None, family: str | None = None, shard: tuple[int, int] = (0, 1),
+        budget_s: float | None = None, summary: str | None = None) -> int:
+    """Every selected case (of shard k of n: every n-th from the k-th), one line each; with
+    ``budget_s``, no case starts after that many seconds (the rest are counted as not run, a
+    failure: a device check that ends in its time limit still reports every case it ran).
+    The summary line goes to ``summary`` too (a file: what run_sharded reads)."""
     dev = torch.device(device)
     interpreted = ops.interpreting()
-    failures = passed = 0
+    failures = passed = not_run = 0
     start = time.perf_counter()
     cases = all_cases()
     if not interpreted:  # compiled, most of the time is Triton compiles: what the drafter runs first
@@ -583,7 +587,11 @@ def run(device: str, only: list[str] | None = None, family: str | None = None, s
     for case in _selected(cases, only, family)[shard[0] :: shard[1]]:
         assert case.family in FAMILIES, case
         if interpreted and not case.interpret:
-            print(f"SKIP  {case.name} (compiled only: too large for the interpreter, or inline PTX)")
+            print(f"SKIP  {case.name} (compiled only: too large for the interpreter, or inline PTX)", flush=True)
+            continue
+        if budget_s is not None and time.perf_counter() - start > budget_s:
+            not_run += 1
+            print(f"NOT RUN  {case.name} (past the {budget_s:.0f} s budget)", flush=True)
             continue
         t0 = time.perf_counter()
         try:
@@ -594,9 +602,12 @@ def run(device: str, only: list[str] | None = None, family: str | None = None, s
         except Exception as exc:  # report every case, then fail
             failures += 1
             print(f"FAIL  {case.name}: {type(exc).__name__}: {exc}", flush=True)
-    print(f"{passed} passed, {failures} failed, {time.perf_counter() - start:.1f} s, device {device}, "
-          f"{'interpreter' if interpreted else 'compiled'}")
-    return 1 if failures or not passed else 0
+    line = (f"{passed} passed, {failures + not_run} failed, {time.perf_counter() - start:.1f} s, device {device}, "
+            f"{'interpreter' if interpreted else 'compiled'}" + (f", {not_run} not run (budget)" if not_run else ""))
+    print(line, flush=True)
+    if summary is not None:
+        Path(summary).write_text(line + "\n")
+    return 1 if failures or not_run or not passed else 0
 
 
 def _no_fallback() -> None:
@@ -619,7 +630,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1,
                     help="split the cases over this many processes (compiled, most of the time is Triton's "
                          "single-threaded compiles: the GPU machine's 16 cores take 8)")
+    ap.add_argument("--budget-s", type=float, help="start no case after this many seconds (each process); the "
+                    "rest count as failed, not run: a run cut by its time limit still reports what it ran")
     ap.add_argument("--shard", help=argparse.SUPPRESS)  # "k/n": what one of --jobs n runs
+    ap.add_argument("--summary", help=argparse.SUPPRESS)  # a shard's summary line goes to this file too
     ap.add_argument("--list", action="store_true", help="print the selected cases' names, run nothing")
     args = ap.parse_args()
     if args.list:
@@ -633,14 +647,16 @@ def main() -> None:
     if args.jobs > 1:
         sys.exit(run_sharded(args.jobs, sys.argv[1:]))
     shard = tuple(int(x) for x in args.shard.split("/")) if args.shard else (0, 1)
-    sys.exit(run(args.device, args.only, args.family, shard))
+    sys.exit(run(args.device, args.only, args.family, shard, args.budget_s, args.summary))
 
 
 def run_sharded(jobs: int, argv: list[str]) -> int:
-    """This script in ``jobs`` processes at once, each every jobs-th case; their lines are
-    printed as each process ends, then one summary. A process that dies counts as a failure."""
+    """This script in ``jobs`` processes at once, each every jobs-th case, each printing its
+    lines as its cases end (a run its caller's time limit cuts keeps every line printed so
+    far), then one summary of their counts. A process that dies counts as a failure."""
     import re
     import subprocess
+    import tempfile
 
     rest, skip = [], False
     for arg in argv:  # this call's arguments without --jobs
@@ -651,19 +667,21 @@ def run_sharded(jobs: int, argv: list[str]) -> int:
         elif not arg.startswith("--jobs="):
             rest.append(arg)
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, __file__, *rest, "--shard", f"{k}/{jobs}"], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for k in range(jobs)]
+    sys.stdout.flush()
+    tmp = tempfile.TemporaryDirectory()
+    files = [Path(tmp.name) / f"shard{k}" for k in range(jobs)]
+    procs = [subprocess.Popen([sys.executable, __file__, *rest, "--shard", f"{k}/{jobs}", "--summary", str(f)])
+             for k, f in enumerate(files)]  # their output goes straight to ours, a line at a time
     passed = failed = 0
-    for k, proc in enumerate(procs):
-        out, _ = proc.communicate()
-        lines = out.rstrip("\n").splitlines()
-        summary = re.match(r"(\d+) passed, (\d+) failed", lines[-1]) if lines else None
-        print("\n".join(lines[:-1] if summary else lines), flush=True)
+    for k, (proc, f) in enumerate(zip(procs, files)):
+        proc.wait()
+        summary = re.match(r"(\d+) passed, (\d+) failed", f.read_text()) if f.exists() else None
         if summary and proc.returncode in (0, 1):
             passed, failed = passed + int(summary.group(1)), failed + int(summary.group(2))
         else:
             failed += 1
             print(f"FAIL  shard {k}/{jobs}: exit status {proc.returncode}, no summary", flush=True)
+    tmp.cleanup()
     print(f"{passed} passed, {failed} failed, {time.perf_counter() - start:.1f} s, {jobs} processes")
     return 1 if failed or not passed else 0
 

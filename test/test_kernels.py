@@ -54,6 +54,20 @@ def test_checks_split_over_processes_run_every_case_once():
     assert out.rstrip().splitlines()[-1].startswith(f"{len(ran)} passed, 0 failed"), out[-1000:]
 
 
+def test_checks_past_their_budget_report_what_they_did_not_run():
+    """gpu_check.sh gives the compiled checks a time budget below its step's limit: cases past
+    it are named and counted as not run (the run fails), so the log holds every case that
+    ran instead of a run killed with its output."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(CHECKS), "--device", "cpu", "--family", "layouts", "--jobs", "2",
+                           "--budget-s", "0"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    lines = out.splitlines()
+    not_run = [line for line in lines if line.startswith("NOT RUN  ")]
+    assert proc.returncode == 1 and len(not_run) >= 5, out[-3000:]
+    assert lines[-1].startswith(f"0 passed, {len(not_run)} failed"), out[-1000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", INTERPRETED_FAMILIES + ["large"])
 def test_kernels_match_torch_twins_on_cuda(family):
