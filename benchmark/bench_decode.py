@@ -64,6 +64,7 @@ class DecodeConfig:
     ratio: float = 4.0
     draft_weights: str = "auto"  # --vericache-draft-weights of the VERICACHE arm (auto: fp16 copy at batch <= 2 of an fp32 model)
     repetition_penalty: float = 1.0  # both arms' requests (Qwen2.5's generation config: 1.05)
+    min_new_tokens: int = 0  # both arms' requests (a penalizer too: stop tokens held back until it is reached)
     out: str = "benchmark/results/decode.json"
 
 
@@ -153,8 +154,7 @@ def start_engines(model_path: str, cfg: DecodeConfig, max_draft_len: int, max_co
     env = {"SGLANG_USE_CPU_ENGINE": "1"}
     # with penalties, the off arm runs without the overlap scheduler, as VeriCache does: SGLang's
     # overlap scheduler adds each output token to the penalty state one step late (ids differ)
-    off = DecodeEngine(model_path, env, **common, **({"disable_overlap_schedule": True}
-                                                      if cfg.repetition_penalty != 1.0 else {}))
+    off = DecodeEngine(model_path, env, **common, **({"disable_overlap_schedule": True} if _penalized(cfg) else {}))
     VeriCacheConfig(compressor=cfg.compressors[0], ratio=cfg.ratio, draft_len=max_draft_len,
                     draft_weights=cfg.draft_weights).to_env()
     spec = DecodeEngine(model_path, env, speculative_algorithm="VERICACHE", speculative_num_draft_tokens=max_draft_len + 1,
@@ -226,10 +226,17 @@ def default_draft_lens(compressors) -> tuple[int, ...]:
 # ---------------------------------------------------------------- runs
 
 
+def _penalized(cfg: DecodeConfig) -> bool:
+    """The requests carry one of SGLang's penalizers: the off arm then runs without the overlap
+    scheduler, as the VERICACHE arm does (with it SGLang adds each output token to the
+    penalty state one step late, and ids differ)."""
+    return cfg.repetition_penalty != 1.0 or cfg.min_new_tokens > 0
+
+
 def timed_run(engine, ids, max_new_tokens: int, compressor=None, draft_len=None, ratio=4.0,
-              repetition_penalty=1.0) -> dict:
+              repetition_penalty=1.0, min_new_tokens=0) -> dict:
     params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True,
-              "repetition_penalty": repetition_penalty}
+              "repetition_penalty": repetition_penalty, "min_new_tokens": min_new_tokens}
     if compressor is not None:
         params["custom_params"] = {"vericache_compressor": compressor, "vericache_ratio": ratio,
                                    "vericache_draft_len": draft_len}
@@ -298,10 +305,12 @@ def run_point(engines, ids, cfg: DecodeConfig, draft_lens, log, label) -> list[d
     log(f"{label}: prefill warm-up of both arms {time.time() - t0:.1f} s")
     offs, vcs = [], {c: [] for c in cfg.compressors}
     for rep in range(cfg.repeats):
-        offs.append(timed_run(off, ids, cfg.max_new_tokens, repetition_penalty=cfg.repetition_penalty))
+        offs.append(timed_run(off, ids, cfg.max_new_tokens, repetition_penalty=cfg.repetition_penalty,
+                              min_new_tokens=cfg.min_new_tokens))
         log(f"{label} rep {rep} off: {offs[-1]['tok_s']:6.2f} tok/s (decode {offs[-1]['decode_s']:.2f} s)")
         for comp, d in zip(cfg.compressors, draft_lens):
-            vcs[comp].append(timed_run(spec, ids, cfg.max_new_tokens, comp, d, cfg.ratio, cfg.repetition_penalty))
+            vcs[comp].append(timed_run(spec, ids, cfg.max_new_tokens, comp, d, cfg.ratio, cfg.repetition_penalty,
+                                       cfg.min_new_tokens))
             r = vcs[comp][-1]
             same = sum(a == b for a, b in zip(r["output_ids"], offs[-1]["output_ids"]))
             log(f"{label} rep {rep} {comp} d={d}: {r['tok_s']:6.2f} tok/s (x{r['tok_s'] / offs[-1]['tok_s']:.2f}), "
@@ -358,7 +367,7 @@ def describe(cfg, model_path, draft_lens, contexts, prompts, common, ready) -> d
                    "vericache_arm": "speculative_algorithm=VERICACHE, otherwise identical flags",
                    "off_arm": ("disable_overlap_schedule=True, as the VERICACHE arm (with penalties, SGLang's "
                                "overlap scheduler penalizes each token one step late)")
-                   if cfg.repetition_penalty != 1.0 else "SGLang's defaults (overlap scheduler)"},
+                   if _penalized(cfg) else "SGLang's defaults (overlap scheduler)"},
         "counters": "prometheus multiprocess files" if ready[1] and ready[1].get("prometheus_dir") else "unavailable",
         "tok_s": "decode tok/s: (completion tokens - 1 per request) / (last finish - last first token)",
         "time_split_note": "seconds per timed run of the VeriCache arm's decode window; draft and verify from the "
@@ -441,6 +450,9 @@ def parse_args():
                    help="the VERICACHE arm's --vericache-draft-weights (default auto: the fp16 copy up to 2 rows per product for an fp32 model)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="every request's repetition_penalty, both arms (default 1: none; Qwen2.5 sets 1.05)")
+    p.add_argument("--min-new-tokens", type=int, default=None,
+                   help="every request's min_new_tokens, both arms (default 0: none; with ignore_eos it changes no "
+                        "output, but its penalizer runs)")
     p.add_argument("--replot", action="store_true", help="only redraw the PNG and table from an existing --out JSON")
     a = p.parse_args()
     cfg = PRESETS["quick" if a.quick else "full"]
@@ -448,7 +460,8 @@ def parse_args():
     overrides = {"contexts": a.contexts and ints(a.contexts), "batches": a.batches and ints(a.batches),
                  "compressors": a.compressors and tuple(a.compressors.split(",")),
                  "draft_lens": a.draft_lens and ints(a.draft_lens), "max_new_tokens": a.max_new_tokens,
-                 "repeats": a.repeats, "draft_weights": a.draft_weights, "repetition_penalty": a.repetition_penalty}
+                 "repeats": a.repeats, "draft_weights": a.draft_weights, "repetition_penalty": a.repetition_penalty,
+                 "min_new_tokens": a.min_new_tokens}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         overrides["mode"] = cfg.mode + "+custom"
