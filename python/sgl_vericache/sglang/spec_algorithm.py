@@ -62,12 +62,14 @@ def install_spec_algorithm(runtime: Runtime) -> None:
             from sglang.srt.arg_groups.speculative_hook import _handle_ngram
 
             check_draft_chain(server_args.speculative_ngram_max_bfs_breadth)
-            _handle_ngram(server_args)
             # NGRAM's tree breadth becomes the attention backends' top-k; a VERICACHE round is one
             # chain, verified at its own width: with a top-k above 1 FA3 would plan a tree verify
-            # at the server's widest width and read past a narrower round's mask. (SGLang hands
-            # this callback a recorder whose writes it declares after NGRAM's.)
+            # at the server's widest width and read past a narrower round's mask, and NGRAM's
+            # resolution refuses a top-k above 1 with pages above 1 on other backends. (SGLang
+            # hands this callback a recorder: NGRAM's resolution reads the breadth written
+            # here, and the top-k written after it is declared after NGRAM's.)
             server_args.speculative_ngram_max_bfs_breadth = 1
+            _handle_ngram(server_args)
             server_args.speculative_eagle_topk = 1
 
     def factory(server_args):  # the worker module imports SGLang's NGRAM worker: only when one is built
