@@ -447,7 +447,7 @@ def parse_args():
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--draft-weights", default=None, choices=("auto", "model", "fp16", "int8"),
-                   help="the VERICACHE arm's --vericache-draft-weights (default auto: the fp16 copy up to 2 rows per product for an fp32 model)")
+                   help="the VERICACHE arm's --vericache-draft-weights (default auto: the fp16 copy up to 2 rows per product for an fp32 model on a CPU)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="every request's repetition_penalty, both arms (default 1: none; Qwen2.5 sets 1.05)")
     p.add_argument("--min-new-tokens", type=int, default=None,

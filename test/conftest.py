@@ -45,14 +45,15 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _draft_kernels_did_not_fall_back():
-    """A draft kernel that fails to launch turns the kernels off for the process, and its store
-    drafts on the torch twin (kernels.turn_draft_kernels_off): a test comparing the two would
-    then pass without the kernel having run. Tests that make a launch fail on purpose set the
-    flag back (monkeypatch), which this sees undone."""
+def _kernels_did_not_fall_back():
+    """A draft or verify kernel that fails to launch turns itself off for the process, and
+    attention runs on its torch twin (kernels.turn_draft_kernels_off, turn_verify_kernel_off):
+    a test comparing the two would then pass without the kernel having run. Tests that make a
+    launch fail on purpose set the flag back (monkeypatch), which this sees undone."""
     yield
     kernels = sys.modules.get("sgl_vericache.kernels")
-    failure = getattr(kernels, "_draft_failure", None)
-    if failure is not None:
-        kernels._draft_failure = None
-        pytest.fail(f"a draft kernel fell back to torch in this test: {failure}")
+    for name in ("_draft_failure", "_verify_failure"):
+        failure = getattr(kernels, name, None)
+        if failure is not None:
+            setattr(kernels, name, None)
+            pytest.fail(f"a kernel fell back to torch in this test: {failure}")

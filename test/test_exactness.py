@@ -128,7 +128,7 @@ REPEATING_PARAMS = {"max_new_tokens": 40, "temperature": 0, "frequency_penalty":
 
 
 # A grammar-constrained request beside them: its verify masks every position by the grammar,
-# and its rows share rounds with rows that draft nothing
+# and its rows share rounds with penalized rows
 GRAMMAR_PARAMS = {"max_new_tokens": 48, "temperature": 0, "regex": r"Answer: (yes|no)\. [A-Za-z ,]{20,80}\."}
 
 

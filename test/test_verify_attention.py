@@ -83,25 +83,34 @@ def test_a_verify_kernel_that_fails_on_this_gpu_leaves_the_torch_path_for_good(m
 
     def failing(*args, **kwargs):
         calls.append(1)
-        raise RuntimeError("PTXAS error: Internal Triton PTX codegen error")
+        raise RuntimeError("Triton Error [CUDA]: device kernel image is invalid")  # as Triton's launcher words it
 
+    from sgl_vericache import kernels
+
+    monkeypatch.setattr(kernels, "_verify_failure", None)
     monkeypatch.setattr(kv, "unsupported", lambda *args: None)
     monkeypatch.setattr(kv, "verify_attention", failing)
     monkeypatch.setattr(attention, "kernel_batch", lambda *args: (None, None, max(PREFIXES) + BLOCK))
     backend = _backend(k, v, table, kernel=True)
     with caplog.at_level("ERROR", logger=attention.__name__):
         out = _verify(k, v, table, rows, q, None, False, backend=backend)
-    assert calls == [1] and backend.kernel is False and "PTXAS error" in caplog.text
+    assert calls == [1] and backend.kernel is False and "device kernel image is invalid" in caplog.text
+    assert kernels.verify_kernel_failed().startswith("the verify kernel failed at layer 0 (H_q 6, head_dim 16)")
+    assert kernels.verify_kernel_off("cuda") == kernels.verify_kernel_failed()  # new backends start on torch
     assert torch.equal(out, _verify(k, v, table, rows, q, None, False))
     _verify(k, v, table, rows, q, None, False, backend=backend)
     assert calls == [1]  # not tried again
 
-    def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory")
+    # running out of memory (torch's, or the driver's through Triton) and our own bugs are not
+    # the GPU's: they raise
+    for error in (torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("Triton Error [CUDA]: out of memory"),
+                  ValueError("a bug")):
+        def raising(*args, error=error, **kwargs):
+            raise error
 
-    monkeypatch.setattr(kv, "verify_attention", out_of_memory)
-    with pytest.raises(torch.OutOfMemoryError):
-        _verify(k, v, table, rows, q, None, False, backend=_backend(k, v, table, kernel=True))
+        monkeypatch.setattr(kv, "verify_attention", raising)
+        with pytest.raises(type(error)):
+            _verify(k, v, table, rows, q, None, False, backend=_backend(k, v, table, kernel=True))
 
 
 @pytest.mark.parametrize("window", [None, 12, 7, 2, 0], ids=lambda w: f"window={w}")

@@ -249,6 +249,28 @@ def test_the_worker_warms_the_verify_kernel_for_its_longest_block(monkeypatch, c
     assert "the verify kernel for blocks of up to 13 tokens ready in 0.5 s" in caplog.text, caplog.text
 
 
+def test_a_verify_kernel_that_fails_to_compile_at_start_verifies_on_torch(monkeypatch):
+    """A compile failure (Triton's own error: a GPU short of shared memory for a variant)
+    would fail again at the first round: verify takes its torch path from the start, and
+    the status names why; a new verify backend starts on torch too."""
+    from triton.runtime.errors import OutOfResources
+
+    from sgl_vericache import kernels
+
+    def failing(layout, tokens, device):
+        raise OutOfResources(232448, 101376, "shared memory")
+
+    monkeypatch.setattr(kernels, "_verify_failure", None)
+    monkeypatch.setattr("sgl_vericache.kernels.draft_kernels_off", lambda device: "no GPU")
+    monkeypatch.setattr("sgl_vericache.spec.warm_up.warm_verify", failing)
+    monkeypatch.setattr(kernels, "_kernels_off", lambda device, env, what: None)  # a GPU that takes them
+    spec = _speculator(_Seam(device="cuda"), draft_len=4)
+    spec.warm_up_kernels()
+    assert spec.kernels["verify"].startswith("off: compiling the verify kernel for blocks of up to 5 tokens failed: "
+                                             "OutOfResources"), spec.kernels
+    assert not kernels.verify_kernel_available("cuda") and kernels.verify_kernel_off("cuda").startswith("compiling")
+
+
 def test_the_verify_warm_up_launches_each_query_rows_size_once(monkeypatch):
     """warm_verify's launches: per compile-time query-rows size that blocks of 1 .. tokens
     pick, one with a verify mask (as on CPU) and one without (CUDA's rounds: NGRAM's

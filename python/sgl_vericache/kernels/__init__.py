@@ -37,8 +37,10 @@ VERIFY_DISABLE_ENV = "SGL_VERICACHE_VERIFY_KERNEL"  # "0": verify attention keep
 MIN_CAPABILITY = (8, 0)
 MAX_DRAFT_HEAD_DIM = 256  # the largest head the draft launches have been sized for (verify.MAX_HEAD_DIM too)
 
-# why the draft kernels were turned off in this process (a kernel failed: turn_draft_kernels_off), or None
+# why the draft kernels / the verify kernel were turned off in this process (a kernel failed:
+# turn_draft_kernels_off, turn_verify_kernel_off), or None
 _draft_failure: Optional[str] = None
+_verify_failure: Optional[str] = None
 
 
 def draft_attention_available(device: torch.device | str) -> bool:
@@ -70,23 +72,42 @@ def turn_draft_kernels_off(exc: BaseException, when: str = "a draft kernel faile
     failure is kept (``draft_kernels_off`` names it) and logged with its traceback."""
     global _draft_failure
     if _draft_failure is None:
-        _draft_failure = " ".join(f"{when}: {type(exc).__name__}: {exc}".split())[:300]
+        _draft_failure = _reason(exc, when)
         logger.warning("VeriCache: %s; drafts run on the dense torch path from now on", _draft_failure,
                        exc_info=exc)
 
 
+def verify_kernel_failed() -> Optional[str]:
+    """The failure that turned the verify kernel off in this process, or None."""
+    return _verify_failure
+
+
+def turn_verify_kernel_off(exc: BaseException, when: str = "the verify kernel failed") -> None:
+    """The verify kernel failed to compile or launch: verify attention takes its per-request
+    torch path in this process from now on (``verify_kernel_off`` names why); logged once."""
+    global _verify_failure
+    if _verify_failure is None:
+        _verify_failure = _reason(exc, when)
+        logger.error("VeriCache: %s; verify attention runs per request in torch from now on", _verify_failure,
+                     exc_info=exc)
+
+
+def _reason(exc: BaseException, when: str) -> str:
+    return " ".join(f"{when}: {type(exc).__name__}: {exc}".split())[:300]
+
+
 def launch_failed(exc: BaseException) -> bool:
-    """Whether ``exc``, raised by a draft kernel launch, is a failure the dense torch path
-    stands in for: Triton's compile, resource (shared memory, registers) and ptxas errors,
-    and the launch's own RuntimeErrors; never running out of device memory, which the
-    round handles itself (spec/round.py lets the compressed entries go)."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    """Whether ``exc``, raised by a kernel launch, is a failure the torch path stands in for:
+    Triton's own errors (compile, out of resources, ptxas: ``TritonError``) and the
+    driver's as Triton's launcher raises them ("Triton Error [CUDA]: ..."); never running
+    out of device memory (torch's or the driver's), which the round handles itself
+    (spec/round.py lets the compressed entries go), nor any other error, a bug to surface."""
+    text = str(exc)
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower():
         return False
-    if isinstance(exc, RuntimeError):
-        return True
     from triton.errors import TritonError  # imported already: a kernel was launched
 
-    return isinstance(exc, TritonError)
+    return isinstance(exc, TritonError) or (isinstance(exc, RuntimeError) and text.startswith("Triton Error"))
 
 
 def draft_head_dim(head_dim: int) -> bool:
@@ -103,8 +124,9 @@ def verify_kernel_available(device: torch.device | str) -> bool:
 
 def verify_kernel_off(device: torch.device | str) -> Optional[str]:
     """Why verify attention keeps its torch path on ``device``, or None (as
-    ``draft_kernels_off``, switched off by SGL_VERICACHE_VERIFY_KERNEL=0)."""
-    return _kernels_off(device, VERIFY_DISABLE_ENV, "verify")
+    ``draft_kernels_off``, switched off by SGL_VERICACHE_VERIFY_KERNEL=0, or by a failure of
+    the kernel in this process: ``turn_verify_kernel_off``)."""
+    return _verify_failure or _kernels_off(device, VERIFY_DISABLE_ENV, "verify")
 
 
 def _kernels_off(device: torch.device | str, disable_env: str, what: str) -> Optional[str]:

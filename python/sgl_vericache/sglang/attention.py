@@ -199,13 +199,13 @@ def verify_on_kernel(backend, q, layer, forward_batch, sinks=None):
                                   forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling, live=live,
                                   mask=mask, longest=longest, window=sliding_window(layer),
                                   softcap=logit_cap(layer), sinks=sinks)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 (Triton's compile, resource and PTX errors have no common base)
+    except Exception as exc:
+        from sgl_vericache.kernels import launch_failed, turn_verify_kernel_off
+
+        if not launch_failed(exc):  # out of memory, or a bug: not the GPU's
+            raise
         backend.kernel = False
-        logger.error("VeriCache verify attention runs per request in torch from now on: the Triton kernel failed "
-                     "at layer %d (H_q %d, head_dim %d): %s: %s", layer.layer_id, hq, d, type(exc).__name__, exc,
-                     exc_info=True)
+        turn_verify_kernel_off(exc, f"the verify kernel failed at layer {layer.layer_id} (H_q {hq}, head_dim {d})")
         return None
     return out.reshape(bs * n, hq * dv)
 

@@ -308,10 +308,11 @@ def install_internal_state(runtime: Runtime) -> None:
                 speculator.stats.gauge("captured_query_requests", len(speculator.queries))
                 state["vericache"] = speculator.stats.snapshot()
                 state["vericache_kernels"] = dict(speculator.kernels)
-                from sgl_vericache.kernels import draft_kernels_failed  # imports neither triton nor CUDA
+                from sgl_vericache.kernels import draft_kernels_failed, verify_kernel_failed  # no triton, no CUDA
 
-                if draft_kernels_failed() is not None:  # a launch failed while serving: drafts on torch since
-                    state["vericache_kernels"]["draft"] = f"off: {draft_kernels_failed()}"
+                for key, failure in (("draft", draft_kernels_failed()), ("verify", verify_kernel_failed())):
+                    if failure is not None:  # a launch failed while serving: on torch since
+                        state["vericache_kernels"][key] = f"off: {failure}"
                 state["vericache_windows"] = dict(speculator.window_layers)
             if rt.draft_memory is not None:
                 state["vericache_memory"] = rt.draft_memory.as_dict()

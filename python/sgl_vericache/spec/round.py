@@ -535,7 +535,7 @@ class Speculator:
 
     def _verifying_rows(self, batch: RoundBatch) -> list[bool]:
         """Which rows verify this round (``verifying_rows``). Some verify in every round:
-        penalized rows and rows that emit one token an iteration (``verifies_every_round``:
+        penalized rows, min_new_tokens' included (``verifies_every_round``:
         SGLang adds their last output token to their penalty state once an iteration, so an
         iteration that emitted nothing for them would count that token again), and rows that return
         logprobs or follow a grammar (``batch.verify_always``: SGLang's logprob and grammar

@@ -235,7 +235,7 @@ def warm_up_kernels(kernels: dict, device, compressors: Sequence[KVCompressor], 
         kernels["draft"] = status if failure is None else f"off: {failure}"
     if verifies:
         kernels["verify"] = _warm(what_verify, layout, lambda: warm_verify(layout, draft_len + 1, device),
-                                  _compiled_at_first_use)
+                                  _verify_failed)
 
 
 def _not_warmed(kernels: dict, why: str) -> None:
@@ -258,14 +258,28 @@ def _warm(what: str, layout, compile_them, failed: Callable[[str, Exception], st
 
 def _drafts_failed(what: str, exc: Exception) -> str:
     """The draft kernels failed to compile (a GPU short of shared memory for a variant, a
-    ptxas error): they would fail the same way in a round, so drafts run on torch ("off":
-    warm_up_kernels names the failure). Running out of memory is not the kernels' doing."""
-    from sgl_vericache.kernels import turn_draft_kernels_off
+    ptxas error: ``kernels.launch_failed``): they would fail the same way in a round, so
+    drafts run on torch ("off": warm_up_kernels names the failure). Running out of memory
+    is not the kernels' doing, and another error is the warm-up's own: the kernels stay on
+    and compile at first use."""
+    from sgl_vericache.kernels import launch_failed, turn_draft_kernels_off
 
-    if isinstance(exc, torch.OutOfMemoryError):
+    if not launch_failed(exc):
         return _compiled_at_first_use(what, exc)
     turn_draft_kernels_off(exc, f"compiling {what} failed")  # logged there, with the traceback
     return "off"
+
+
+def _verify_failed(what: str, exc: Exception) -> str:
+    """The verify kernel failed to compile (``kernels.launch_failed``): verify attention takes
+    its torch path from the start ("off", named); any other failure leaves it to compile at
+    first use."""
+    from sgl_vericache.kernels import launch_failed, turn_verify_kernel_off, verify_kernel_failed
+
+    if not launch_failed(exc):
+        return _compiled_at_first_use(what, exc)
+    turn_verify_kernel_off(exc, f"compiling {what} failed")
+    return f"off: {verify_kernel_failed()}"
 
 
 def _compiled_at_first_use(what: str, exc: Exception) -> str:
