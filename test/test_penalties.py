@@ -222,22 +222,24 @@ def test_draft_steps_are_steered_by_the_penalties_as_decoding():
     """The draft side (proposals only): starting from the round's accumulated tensors, each
     drafted token counted for frequency and repetition gives, for rows with those penalties,
     a decode step's penalized logits after the same tokens; with presence too (tokens new to
-    the history among them), the same within an ulp."""
+    the history among them), the same within an ulp; a min_new_tokens reached mid-round
+    holds the stop tokens back at the steps before it only."""
     from sgl_vericache.sglang.penalties import DraftPenalty
 
     gen = torch.Generator().manual_seed(8)
-    history = torch.randint(2, VOCAB, (5, 5), generator=gen).tolist()
-    drafted = [[9, 9, 12, 9, 3], [12, 12, 5, 30, 30], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    history = torch.randint(2, VOCAB, (5, 6), generator=gen).tolist()  # row 5: min_new_tokens 10, 5 out
+    drafted = [[9, 9, 12, 9, 3], [12, 12, 5, 30, 30], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0],
+               [4, 5, 6, 7, 8]]
     reqs = _reqs()
     start = _orchestrator(reqs)
     _feed(start, reqs, history)
     add, scale = _accumulated(start)
     drafted[3] = [9, 31, 9, 31, 5]  # frequency, presence and repetition: tokens new to the history too
-    info = N(acc_additive_penalties=add, acc_scaling_penalties=scale, temperatures=torch.ones(5, 1),
+    info = N(acc_additive_penalties=add, acc_scaling_penalties=scale, temperatures=torch.ones(6, 1),
              penalizer_orchestrator=start)
-    penalty = DraftPenalty.of(info, [0, 1, 3], reqs)
+    penalty = DraftPenalty.of(info, [0, 1, 3, 5], reqs)
     for step in range(len(drafted[0]) + 1):
-        raw = 5 * torch.randn(3, VOCAB, generator=gen)
+        raw = 5 * torch.randn(4, VOCAB, generator=gen)
         ref_reqs = _reqs()
         ref = _orchestrator(ref_reqs)
         _feed(ref, ref_reqs, history + [[row[j] for row in drafted] for j in range(step)])
@@ -247,6 +249,8 @@ def test_draft_steps_are_steered_by_the_penalties_as_decoding():
         # row 3: the additive penalties summed (SGLang's verify's way): within an ulp of decoding's
         want = _decode_logits(raw[2], ref, 3)
         assert torch.allclose(got[2], want, rtol=1e-6, atol=1e-6) and got[2].argmax() == want.argmax(), step
+        assert torch.equal(got[3], _decode_logits(raw[3], ref, 5)), step  # held at steps 0-4 only
+        assert torch.isinf(got[3, 1]) == (step < 5), step
         if step < len(drafted[0]):
-            penalty.count(torch.tensor([drafted[0][step], drafted[1][step], drafted[3][step]]))
+            penalty.count(torch.tensor([drafted[0][step], drafted[1][step], drafted[3][step], drafted[5][step]]))
     assert DraftPenalty.of(N(acc_additive_penalties=None, acc_scaling_penalties=None), [0], reqs) is None

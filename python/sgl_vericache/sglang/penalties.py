@@ -239,8 +239,9 @@ class DraftPenalty:
     verify will pick: the round's starting state (SGLang's accumulated tensors), then each
     drafted token counted as decoding would count it for frequency, presence and repetition
     (the additive ones summed, as SGLang's verify sums them: an ulp from decoding's order at
-    most). Drafts are proposals the verify checks, so this only steers them; it never
-    changes an output."""
+    most), and min_new_tokens' stop tokens held back at the steps decoding holds them (draft
+    step j proposes the round's output token j). Drafts are proposals the verify checks, so
+    this only steers them; it never changes an output."""
 
     def __init__(self, info, rows: list[int], reqs):
         index = torch.tensor(rows, dtype=torch.int64, device=info.temperatures.device)
@@ -252,9 +253,23 @@ class DraftPenalty:
         self.repetition = column([p.repetition_penalty or 1.0 for p in params])
         self.presence = column([p.presence_penalty or 0.0 for p in params])
         orch = orchestrator_of(info)
-        presence = dict(_penalizers(orch)).get("presence") if orch is not None else None
+        pens = dict(_penalizers(orch)) if orch is not None else {}
+        presence = pens.get("presence")
         # which tokens already carry the presence penalty (it is set once, not added per token)
         self.present = None if presence is None else presence.cumulated_presence_penalties[index] != 0
+        self.step, self.stop, self.held_steps = 0, None, None
+        held = pens.get("min_new_tokens")
+        if held is not None and self.add is not None:
+            # the accumulated sum holds the stop tokens back for the whole round (-inf, which
+            # no later step can take out): keep the other additive penalties there, and the
+            # stop tokens' -inf apart, for the steps still short of the count
+            self.stop = held.stop_token_penalties[index]
+            self.held_steps = (held.min_new_tokens[index] - held.len_output_tokens[index]).float()  # [rows, 1]
+            rest = torch.zeros_like(self.add)
+            for kind in ("frequency", "presence"):
+                if kind in pens:
+                    rest -= getattr(pens[kind], f"cumulated_{kind}_penalties")[index]
+            self.add = torch.where(torch.isinf(self.stop) & (self.held_steps > 0), rest, self.add)
 
     @classmethod
     def of(cls, info, rows: list[int], reqs):
@@ -267,12 +282,15 @@ class DraftPenalty:
         """[rows, V] draft logits, penalized (a new tensor in fp32)."""
         out = logits.float()
         out = out + self.add if self.add is not None else out.clone()
+        if self.stop is not None:
+            out = out + torch.where(self.held_steps > self.step, self.stop, 0.0)
         if self.scale is not None:
             _scale(out, self.scale)
         return out
 
     def count(self, tokens: torch.Tensor) -> None:
         """The step drafted ``tokens`` [rows]: the next step is penalized for them too."""
+        self.step += 1
         index = tokens.to(torch.int64)[:, None]
         if self.add is not None:
             self.add.scatter_add_(1, index, -self.frequency)
