@@ -38,7 +38,9 @@ def _run_checks(args: list[str], interpret: bool, timeout: float = 600) -> str:
 
 @pytest.mark.parametrize("family", INTERPRETED_FAMILIES)
 def test_kernels_match_torch_twins_in_the_interpreter(family):
-    out = _run_checks(["--device", "cpu", "--family", family], interpret=True)
+    # the interpreter is single-threaded Python: a process a core (CI's 2) halves the wait
+    jobs = str(max(1, min(len(os.sched_getaffinity(0)), 4)))
+    out = _run_checks(["--device", "cpu", "--family", family, "--jobs", jobs], interpret=True)
     assert " 0 failed" in out and "interpreter" in out, out[-3000:]
 
 
