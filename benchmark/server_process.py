@@ -68,6 +68,19 @@ class ServerProcess:
         out = subprocess.run(["ps", "-o", "rss=", "-g", str(self.proc.pid)], capture_output=True, text=True).stdout
         return round(sum(int(x) for x in out.split()) / 1024, 1)
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the process group's live members have used so far, seconds."""
+        pids = subprocess.run(["ps", "-o", "pid=", "-g", str(self.proc.pid)], capture_output=True, text=True).stdout
+        ticks = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for pid in pids.split():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # it left meanwhile
+                continue
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15)
+        return total
+
     def group_alive(self) -> bool:
         try:
             os.killpg(self.proc.pid, 0)

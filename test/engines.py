@@ -18,7 +18,7 @@ def cpu_engine(model, vericache=None, **kw):
         kw = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens=vericache.draft_len + 1,
                   speculative_ngram_max_bfs_breadth=1, disable_overlap_schedule=True, **kw)
     return Engine(model_path=str(model), device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                  dtype="float32", max_total_tokens=4096, log_level="warning", **kw)
+                  dtype="float32", max_total_tokens=4096, log_level="warning", sleep_on_idle=True, **kw)
 
 
 def save_tiny_model(model, dest, tokenizer_dir) -> None:

@@ -13,7 +13,8 @@ CHUNK = 64  # prefill chunk (tokens): every prompt below takes four chunks
 BUDGET = 64
 PARAMS = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
 ENGINE_KW = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, dtype="float32",
-                 max_total_tokens=4096, log_level="warning", random_seed=0, chunked_prefill_size=CHUNK)
+                 max_total_tokens=4096, log_level="warning", random_seed=0, chunked_prefill_size=CHUNK,
+                 sleep_on_idle=True)
 
 
 def _prompts(model_path):

@@ -23,8 +23,10 @@ COMPRESSORS = ["kivi4", "kivi2", "int8", "fp8", "streamingllm", "snapkv", "h2o",
 DRAFT_LENS = [1, 4, 16, 30]
 MAX_DRAFT_LEN = 30
 FULL_BUDGET = 64  # --vericache-full-device-budget of the VERICACHE engine (tokens)
+# sleep_on_idle: an idle SGLang scheduler otherwise polls at 100% of a core, and this module
+# keeps up to three engines alive at once on two cores
 ENGINE_KW = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                 dtype="float32", max_total_tokens=16384, log_level="warning")
+                 dtype="float32", max_total_tokens=16384, log_level="warning", sleep_on_idle=True)
 
 
 def _engine(model_path, **kw):

@@ -149,7 +149,7 @@ def _worker(config_name: str, out_path: str) -> None:
 
     engine = Engine(model_path=str(ensure_default_model()), device="cpu",
                     attention_backend=ATTENTION_BACKEND, disable_cuda_graph=True,
-                    max_total_tokens=4096, dtype="float32", log_level="warning",
+                    max_total_tokens=4096, dtype="float32", log_level="warning", sleep_on_idle=True,
                     **ENGINE_CONFIGS[config_name])
     try:
         params = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}

@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import requests
@@ -21,7 +22,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    server = ServerProcess(["--enable-metrics", "--sleep-on-idle"], tmp_path_factory.mktemp("server") / "server.log")
+    server = ServerProcess(["--enable-metrics"], tmp_path_factory.mktemp("server") / "server.log")
     server.wait_ready()
     yield server
     if server.proc.poll() is None:
@@ -215,6 +216,23 @@ def test_help_lists_both_flag_sets():
     assert r.returncode == 0, r.stderr
     assert "--vericache-draft-len" in r.stdout and "--speculative-algorithm" in r.stdout
     assert "--mem-fraction-static" in r.stdout
+
+
+def test_idle_server_leaves_the_cores_alone(server):
+    """The server as a user starts it, on a CPU, idle: its scheduler sleeps until a request
+    comes (the launcher's --sleep-on-idle) instead of polling at 100% of a core for as long
+    as it is up, a core the engine's own threads need (it slowed everything else on a
+    2-core machine). It still answers at once."""
+    assert_healthy(server)
+    time.sleep(2)  # the health check's own work is done
+    before, start = server.cpu_seconds(), time.monotonic()
+    time.sleep(6)
+    used, elapsed = server.cpu_seconds() - before, time.monotonic() - start
+    # a polling scheduler uses about `elapsed` seconds here (half of it on a loaded machine)
+    assert used < 0.15 * elapsed, f"idle server used {used:.2f} s of CPU in {elapsed:.1f} s"
+    r = requests.post(server.url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}},
+                      timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_zz_clean_shutdown(srv):

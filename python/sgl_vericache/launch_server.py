@@ -4,7 +4,11 @@ OpenAI-compatible APIs) with VeriCache, serving the embedded default model unles
 
 Our ``--vericache-*`` flags are parsed and validated here; every other flag goes to
 SGLang unchanged. On a machine without CUDA the CPU engine's flags are filled in
-(torch_native attention, no CUDA graphs, fp32, a small KV budget) unless given.
+(torch_native attention, no CUDA graphs, fp32, a small KV budget) unless given, and the
+scheduler sleeps while it has no request (``--sleep-on-idle``): SGLang's scheduler polls
+for requests otherwise, one core at 100% for as long as the server is up, and on a CPU
+that core is one the engine's own threads run on. A request wakes it at once (it waits on
+the request sockets).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ CPU_DEFAULTS = {
     "--dtype": "float32",
     "--max-total-tokens": "32768",
 }
-CPU_DEFAULT_SWITCHES = ("--disable-cuda-graph",)
+CPU_DEFAULT_SWITCHES = ("--disable-cuda-graph", "--sleep-on-idle")
 COMMON_DEFAULTS = {"--host": "127.0.0.1"}
 
 
