@@ -35,9 +35,12 @@ def default_model_path() -> Path:
     return ensure_default_model()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The server as a user starts it: no arguments at all."""
+    """The server as a user starts it: no arguments at all. One per module, not per session:
+    SGLang's ``Engine.shutdown()`` SIGKILLs every child process of the process it runs in
+    (``kill_process_tree(os.getpid())``), so the first in-process engine a later module shuts
+    down would take a session-long server with it, silently."""
     srv = ServerProcess([], tmp_path_factory.mktemp("server") / "server.log")
     srv.wait_ready()
     yield srv

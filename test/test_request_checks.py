@@ -58,6 +58,13 @@ def refused(body, limits=WITH_VC, names=checks.NATIVE) -> str:
     ({"text": "hi", "sampling_params": {"repetition_penalty": 5e-324}},
      ["sampling_params.repetition_penalty 5e-324", "from 1e-20 to 2"]),
     ({"text": "hi", "sampling_params": {"repetition_penalty": 1e-30}}, ["repetition_penalty 1e-30"]),
+    # SGLang indexes a list by prompt: an IndexError or a TypeError, a 500
+    ({"text": "0", "sampling_params": []}, ["sampling_params is a list of 0 for a single prompt", "one object"]),
+    ({"text": "0", "sampling_params": [{"max_new_tokens": 2}]}, ["sampling_params is a list of 1 for a single"]),
+    ({"input_ids": [5, 6], "sampling_params": [{}, {}]}, ["a list of 2 for a single prompt"]),
+    ({"text": ["0", "1"], "sampling_params": []}, ["sampling_params is a list of 0 for 2 prompts"]),
+    ({"text": ["0", "1"], "sampling_params": [{"max_new_tokens": 2}]}, ["a list of 1 for 2 prompts"]),
+    ({"input_ids": [[5], [6], [7]], "sampling_params": [{}, {}]}, ["a list of 2 for 3 prompts"]),
 ])
 def test_refused_and_named(body, named):
     message = refused(body)
@@ -102,6 +109,11 @@ def test_custom_params_refused_when_vericache_is_on(custom_params, named):
     {"text": "hi", "sampling_params": {"repetition_penalty": 0}},  # SGLang's own check refuses it
     # shapes SGLang's own contract check answers are left to it
     {"input_ids": "abc"}, {"text": 5}, {"sampling_params": [1]}, [1, 2], None,
+    # lists SGLang serves: one per prompt (extra ones it ignores), or one for a single prompt
+    # asking for several samples (a batch of one)
+    {"text": ["a", "b"], "sampling_params": [{}, {}, {}]},
+    {"text": "a", "sampling_params": [{"n": 2}]},
+    {"text": "a", "sampling_params": {"n": 2}},
 ])
 def test_accepted(body):
     checks.check_generate_body(body, WITH_VC)

@@ -218,11 +218,12 @@ def test_help_lists_both_flag_sets():
     assert "--mem-fraction-static" in r.stdout
 
 
-def test_idle_server_leaves_the_cores_alone(server):
-    """The server as a user starts it, on a CPU, idle: its scheduler sleeps until a request
-    comes (the launcher's --sleep-on-idle) instead of polling at 100% of a core for as long
-    as it is up, a core the engine's own threads need (it slowed everything else on a
-    2-core machine). It still answers at once."""
+def test_idle_server_leaves_the_cores_alone(srv):
+    """The server on a CPU, idle: its scheduler sleeps until a request comes (the
+    launcher's --sleep-on-idle) instead of polling at 100% of a core for as long as it is
+    up, a core the engine's own threads need (it slowed everything else on a 2-core
+    machine). It still answers."""
+    server = srv
     assert_healthy(server)
     time.sleep(2)  # the health check's own work is done
     before, start = server.cpu_seconds(), time.monotonic()

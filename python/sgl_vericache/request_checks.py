@@ -18,6 +18,9 @@ server. These are the fields and the rules (docs/reliability.md has the full tab
   string raised in the scheduler); ``repetition_penalty`` not below
   ``MIN_REPETITION_PENALTY`` (SGLang takes any value in (0, 2]: one that is 0 in float32,
   5e-324 say, divides a repeated token's score by 0, NaN again);
+- ``sampling_params`` as a list: one object per prompt of a batch (SGLang indexes it by
+  prompt: a shorter list, an empty one, or a list for one prompt was an ``IndexError`` or a
+  ``TypeError``, a 500);
 - ``session_params``: SGLang's ``SessionParams`` fields with their types (an unknown one was
   a 500, a wrong type reaches the scheduler);
 - ``sampling_params.custom_params``: VeriCache's ``vericache_*`` keys, when VeriCache is
@@ -164,6 +167,40 @@ def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Opt
     check_custom_params(params.get("custom_params"), names.sampling_params, vericache, kv_layouts)
 
 
+def prompt_count(text: Any, input_ids: Any, input_embeds: Any = None) -> Optional[int]:
+    """How many prompts a generate request holds, as SGLang counts them: ``ONE_PROMPT`` for
+    one (a string, a list of token ids), else the batch's length; None where the request
+    has no prompt of a shape SGLang reads (its own checks answer that)."""
+    if text is not None:
+        return len(text) if isinstance(text, list) else ONE_PROMPT
+    if isinstance(input_ids, list):
+        return len(input_ids) if input_ids and isinstance(input_ids[0], list) else ONE_PROMPT
+    if isinstance(input_embeds, list) and input_embeds and isinstance(input_embeds[0], list):
+        return len(input_embeds) if input_embeds[0] and isinstance(input_embeds[0][0], list) else ONE_PROMPT
+    return None
+
+
+ONE_PROMPT = -1  # prompt_count of a request that is not a batch
+
+
+def check_sampling_params_count(params: Any, prompts: Optional[int], names: Names) -> None:
+    """``sampling_params`` given as a list: one object per prompt of a batch of ``prompts``
+    (``prompt_count``'s). A single prompt takes one object, or a list of one when it asks
+    for several samples (SGLang then makes it a batch of one)."""
+    if not isinstance(params, list) or prompts is None:
+        return
+    name = names.sampling_params or "sampling_params"
+    if prompts == ONE_PROMPT:
+        first = params[0] if params else None
+        n = first.get("n", 1) if isinstance(first, dict) else 1
+        if not params or n == 1:
+            raise RequestError(f"{name} is a list of {len(params)} for a single prompt; accepted: one object, "
+                               "or a list of one object per prompt with a batch of prompts")
+    elif len(params) < prompts:
+        raise RequestError(f"{name} is a list of {len(params)} for {prompts} prompts; accepted: one object for "
+                           "all of them, or a list of one object per prompt")
+
+
 def check_logit_bias(bias: Any, name: str) -> None:
     """An object of token ids (integers, or strings of them: SGLang reads ``int(key)``; its
     own check bounds them by the vocabulary) to biases: numbers up to MAX_LOGIT_BIAS (any
@@ -289,6 +326,8 @@ def check_generate_body(body: Any, limits: Limits, names: Names = NATIVE) -> Non
         check_top_logprobs(num, _at(names.top_logprobs_num, i), limits)
     for i, params in _batch(body.get("sampling_params"), lambda v: isinstance(v, dict)):
         check_sampling_params(params, _at_names(names, i), limits.vericache, limits.sampling_fields, limits.kv_layouts)
+    check_sampling_params_count(body.get("sampling_params"),
+                                prompt_count(body.get("text"), ids, body.get("input_embeds")), names)
 
 
 def check_tokenized(input_ids: Optional[list], top_logprobs_num: Any, limits: Limits, names: Names = NATIVE) -> None:

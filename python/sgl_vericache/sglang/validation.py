@@ -9,8 +9,8 @@ Touches, all in the HTTP / tokenizer-manager process (and the offline ``Engine``
   ``custom_params`` against the model's head layout here too (multimodal and input_embeds
   requests included: the hook below has no tokenizer manager, so no model, to ask);
 - ``GenerateReqInput.normalize_batch_and_arguments``: ``sampling_params`` (field names,
-  ``stop_regex``, ``n``, VeriCache's ``custom_params``) before SGLang expands ``n`` into
-  ``n`` requests;
+  ``stop_regex``, ``n``, VeriCache's ``custom_params``, a list's length against the prompts)
+  before SGLang expands ``n`` into ``n`` requests;
 - ``http_server.generate_contract_error`` (the native ``/generate`` body, beside SGLang's own
   JSON contract): before a stream starts, so a bad streamed request is a 400 too rather
   than an error event in a 200 stream; batch items named by index;
@@ -119,6 +119,8 @@ def install_tokenizer_checks(runtime: Runtime) -> None:
             params = self.sampling_params
             for item in params if isinstance(params, list) else [params]:
                 checks.check_sampling_params(item, checks.NATIVE, vericache_config(), sampling_fields())
+            checks.check_sampling_params_count(params, checks.prompt_count(self.text, self.input_ids,
+                                                                            self.input_embeds), checks.NATIVE)
             return original(self)
 
         return normalize_batch_and_arguments
