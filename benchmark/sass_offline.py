@@ -286,11 +286,16 @@ def main() -> None:
     ap.add_argument("--triton", metavar="VERSION",
                     help="compile with this Triton release (e.g. 3.6.0, the lent GPU machine's), fetched once")
     ap.add_argument("--dump", type=Path, help="write each variant's SASS and PTX here")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="compile in this many processes (a compile is single-threaded); lines keep their order")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="vc_sass_"))
     print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), sm_{args.arch}", flush=True)
+    names = list(DEFAULTS if args.defaults else args.only)
+    if args.jobs > 1 and len(names) > 1:
+        raise SystemExit(_in_processes(names, args))
     failed = 0
-    for name in DEFAULTS if args.defaults else args.only:
+    for name in names:
         try:
             kernel, warps, bn = compile_any(name, arch=args.arch)
         except Exception as exc:  # noqa: BLE001 - report and go on
@@ -309,6 +314,30 @@ def main() -> None:
         print(f"{name:17s} regs {regs:3d} main loop {sum(main_loop.values()):5d} instr {per_elem}: {top}", flush=True)
     if failed:
         raise SystemExit(f"{failed} variant(s) failed to compile")
+
+
+def _in_processes(names: list[str], args) -> int:
+    """Compile ``names`` over ``args.jobs`` processes of this script (this Triton, the same
+    cache); print their lines in ``names``' order; the exit status is 1 when any failed."""
+    jobs = min(args.jobs, len(names))
+    shares = [names[i::jobs] for i in range(jobs)]
+    extra = ["--arch", str(args.arch)] + (["--dump", str(args.dump)] if args.dump else [])
+    procs = [subprocess.Popen([sys.executable, __file__, *extra, "--only", *share], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for share in shares]
+    lines, status = {}, 0
+    for share, proc in zip(shares, procs):
+        out, _ = proc.communicate()
+        status |= proc.returncode != 0
+        body = [line for line in out.splitlines()[1:] if line.strip()]  # less its "triton ..." line
+        for name in share:  # a variant's line starts with its name
+            lines[name] = [line for line in body if line.split(":")[0].split()[0] == name]
+        rest = [line for line in body if not any(line in got for got in lines.values())]
+        if rest:
+            lines.setdefault("", []).extend(rest)
+    for name in [*names, ""]:
+        for line in lines.get(name, []):
+            print(line, flush=True)
+    return status
 
 
 if __name__ == "__main__":
