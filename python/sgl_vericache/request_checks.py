@@ -167,6 +167,9 @@ def check_sampling_params(params: Any, names: Names, vericache: Any, fields: Opt
     check_custom_params(params.get("custom_params"), names.sampling_params, vericache, kv_layouts)
 
 
+ONE_PROMPT = -1  # prompt_count of a request that is not a batch
+
+
 def prompt_count(text: Any, input_ids: Any, input_embeds: Any = None) -> Optional[int]:
     """How many prompts a generate request holds, as SGLang counts them: ``ONE_PROMPT`` for
     one (a string, a list of token ids), else the batch's length; None where the request
@@ -178,9 +181,6 @@ def prompt_count(text: Any, input_ids: Any, input_embeds: Any = None) -> Optiona
     if isinstance(input_embeds, list) and input_embeds and isinstance(input_embeds[0], list):
         return len(input_embeds) if input_embeds[0] and isinstance(input_embeds[0][0], list) else ONE_PROMPT
     return None
-
-
-ONE_PROMPT = -1  # prompt_count of a request that is not a batch
 
 
 def check_sampling_params_count(params: Any, prompts: Optional[int], names: Names) -> None:
