@@ -1,5 +1,7 @@
 """Shared test fixtures: a real server started with ``python -m sgl_vericache.launch_server``
-(one per test session and flag set), the default model, and the gpu / slow markers."""
+(one per module), the default model, the gpu marker's skip, the kernels' fallback check, and
+the fork server that in-process CPU engines start their processes from (fast_engine_start.py;
+``VERICACHE_TEST_SPAWN=1`` turns it off)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmark"))
 from server_process import ServerProcess, free_port  # noqa: E402,F401  (tests import them from here)
+
+
+def pytest_configure(config):
+    # in-process CPU engines fork their scheduler and detokenizer from a server that imported
+    # SGLang once, instead of importing it twice per engine (fast_engine_start.py)
+    from fast_engine_start import install
+
+    install()
 
 
 def pytest_collection_modifyitems(config, items):

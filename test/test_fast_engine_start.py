@@ -1,0 +1,91 @@
+"""fast_engine_start.py, the tests' fork server for engine processes, without an engine:
+a child it forks runs in the environment and with the stdout of the moment, a change of
+environment that imports could read gets a server of its own (or a spawn while the old
+server has a live child), and SGLang's shutdown kill spares the server, not its children."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+TEST = Path(__file__).resolve().parent
+
+SCRIPT = r'''
+import json, multiprocessing as mp, os, sys, time
+sys.path.insert(0, sys.argv[1])
+import fast_engine_start as fes
+
+fes.PRELOAD = ["fast_engine_start"]  # SGLang's import is not what is tested here
+fes.install()
+ctx = mp.get_context("spawn")  # what SGLang's engine asks for
+
+def report(path, wait):
+    print("child stdout", os.environ.get("VERICACHE_X"), flush=True)
+    with open(path, "w") as f:
+        json.dump({"parent": os.getppid(), "x": os.environ.get("VERICACHE_X"),
+                   "retract": os.environ.get("SGLANG_TEST_RETRACT")}, f)
+    time.sleep(wait)
+
+def run(name, wait=0.0, join=True):
+    path = os.path.join(sys.argv[2], name)
+    p = ctx.Process(target=report, args=(path, wait))
+    p.start()
+    if join:
+        p.join()
+        assert p.exitcode == 0, p.exitcode
+        return json.load(open(path))
+    while not os.path.exists(path) or not os.path.getsize(path):
+        time.sleep(0.05)
+    return p, json.load(open(path))
+
+def server():
+    from multiprocessing import forkserver
+    return forkserver._forkserver._forkserver_pid
+
+if __name__ == "__main__":
+    me = os.getpid()
+    os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
+    out = {"gpu_engine": run("a")}
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    out["first"] = run("b")
+    first = server()
+    os.environ["VERICACHE_X"] = "later"
+    out["run_time_key"] = run("c")
+    out["same_server"] = server() == first
+    os.environ["SGLANG_TEST_RETRACT"] = "1"
+    out["import_key"] = run("d")
+    second = server()
+    out["new_server"] = second not in (None, first)
+    live, out["live"] = run("e", wait=30, join=False)
+    os.environ["SGLANG_TEST_RETRACT"] = "0"
+    out["while_live"] = run("f")
+    out["kept_server"] = server() == second
+    from sglang.srt.utils.common import kill_process_tree  # what Engine.shutdown calls
+
+    fes._sparing_the_server(kill_process_tree)(os.getpid(), include_parent=False, wait_timeout=20)
+    live.join(5)
+    out["live_killed"] = live.exitcode is not None
+    os.kill(second, 0)  # the server outlived the kill
+    out.update(me=me, first_server=first, second_server=second)
+    print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_children_fork_from_a_server_in_their_environment(tmp_path):
+    import json
+
+    script = tmp_path / "children.py"  # a file: spawned children import their target from it
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(TEST), str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    me, first, second = out["me"], out["first_server"], out["second_server"]
+    assert out["gpu_engine"]["parent"] == me  # not a CPU engine: spawned
+    assert out["first"]["parent"] == first != me
+    assert out["run_time_key"] == {"parent": first, "x": "later", "retract": None} and out["same_server"]
+    assert out["import_key"] == {"parent": second, "x": "later", "retract": "1"} and out["new_server"]
+    assert out["live"]["parent"] == second
+    # the server that imported with SGLANG_TEST_RETRACT=1 has a live child: this one is spawned
+    assert out["while_live"] == {"parent": me, "x": "later", "retract": "0"} and out["kept_server"]
+    assert out["live_killed"]
+    assert proc.stdout.count("child stdout") == 6, proc.stdout  # every child wrote to our stdout
