@@ -23,6 +23,14 @@ def pytest_configure(config):
     install()
 
 
+def pytest_terminal_summary(terminalreporter):
+    from fast_engine_start import started
+
+    if started["forked"] or started["spawned"]:
+        terminalreporter.write_line("engine processes started in this process: {forked} forked from {servers} fork "
+                                    "server(s), {spawned} spawned (fast_engine_start.py)".format(**started))
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

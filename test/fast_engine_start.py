@@ -38,6 +38,7 @@ SERVER_ENV = "VERICACHE_TEST_FORK_SERVER"  # set in the fork server's own enviro
 RUN_TIME_ONLY = ("VERICACHE_", "SGL_VERICACHE_", "SGLANG_RUN_ID", "PYTEST_CURRENT_TEST")
 
 _server_key: frozenset | None = None  # the environment the running server imported in
+started = {"forked": 0, "spawned": 0, "servers": 0}  # this process's children, for the session's summary
 
 if os.environ.pop(SERVER_ENV, None) == "1":  # imported by the fork server, as a preload
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -53,7 +54,9 @@ def install() -> None:
 
     def _Popen(process_obj):
         if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1" or not _server_for(_key(os.environ)):
+            started["spawned"] += 1
             return spawn_popen(process_obj)
+        started["forked"] += 1
         process_obj._target = _InEnv(dict(os.environ), process_obj._target)
         return popen_forkserver.Popen(process_obj)
 
@@ -80,11 +83,13 @@ def _server_for(key: frozenset) -> bool:
         except psutil.NoSuchProcess:
             pass
         server._stop()  # childless, it sees its "alive" pipe close and exits
+    before = server._forkserver_pid
     os.environ[SERVER_ENV] = "1"
     try:
         forkserver.ensure_running()
     finally:
         os.environ.pop(SERVER_ENV, None)
+    started["servers"] += server._forkserver_pid != before
     _server_key = key
     engine = sys.modules.get("sglang.srt.entrypoints.engine")
     if engine is not None and not getattr(engine.kill_process_tree, "spares_fork_server", False):

@@ -3,6 +3,8 @@ a child it forks runs in the environment and with the stdout of the moment, a ch
 environment that imports could read gets a server of its own (or a spawn while the old
 server has a live child), and SGLang's shutdown kill spares the server, not its children."""
 
+import os
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,8 +77,9 @@ def test_children_fork_from_a_server_in_their_environment(tmp_path):
 
     script = tmp_path / "children.py"  # a file: spawned children import their target from it
     script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "VERICACHE_TEST_SPAWN"}  # a run that spawns tests this too
     proc = subprocess.run([sys.executable, str(script), str(TEST), str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+                          timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     me, first, second = out["me"], out["first_server"], out["second_server"]
