@@ -1,6 +1,6 @@
 """Shared test fixtures: a real server started with ``python -m sgl_vericache.launch_server``
 (one per module), the default model, the gpu marker's skip, the kernels' fallback check, and
-the fork server that in-process CPU engines start their processes from (fast_engine_start.py;
+the fork servers that in-process CPU engines start their processes from (fast_engine_start.py;
 ``VERICACHE_TEST_SPAWN=1`` turns it off)."""
 
 from __future__ import annotations

@@ -11,15 +11,17 @@ capture of the running test), then runs its target. The code and settings are th
 own; only the import is shared (benchmark/bench_spec.py's ``engine_context`` does the same
 for the benchmarks' engines).
 
-- **Environment.** Imports can read the environment, so the server imported in exactly the
+- **Environment.** Imports can read the environment, so a server imports in exactly the
   child's, up to the keys only read at run time (``RUN_TIME_ONLY``: this project's switches,
   SGLang's per-engine run id, pytest's current test name). An engine whose environment
-  differs otherwise (``SGLANG_TEST_RETRACT``, deterministic mode, metrics) gets a new server
-  in its environment when the old one has no live children, and is spawned as before when it
-  has. Engines that are not CPU engines (``SGLANG_USE_CPU_ENGINE=1``) are spawned.
+  differs otherwise (``SGLANG_TEST_RETRACT``, deterministic mode, metrics) gets a server of
+  its own, started in its environment; up to ``MAX_SERVERS`` stay up (~1.1 GB each, idle),
+  the least recently used one without live children giving way to a new one. When every
+  one has a live child, the engine is spawned as before. Engines that are not CPU engines
+  (``SGLANG_USE_CPU_ENGINE=1``) are spawned.
 - **Shutdown.** SGLang's ``Engine.shutdown()`` SIGKILLs every descendant of the process it
-  runs in; the current server (and multiprocessing's resource tracker) is spared, the engine's
-  processes (the server's children) are not. The server dies with the test process
+  runs in; the servers (and multiprocessing's resource tracker) are spared, the engine's
+  processes (a server's children) are not. A server dies with the test process
   (``PR_SET_PDEATHSIG``), and an engine's processes with it.
 - ``VERICACHE_TEST_SPAWN=1`` spawns every child, as SGLang does.
 """
@@ -37,10 +39,12 @@ SPAWN_ENV = "VERICACHE_TEST_SPAWN"
 SERVER_ENV = "VERICACHE_TEST_FORK_SERVER"  # set in the fork server's own environment only
 RUN_TIME_ONLY = ("VERICACHE_", "SGL_VERICACHE_", "SGLANG_RUN_ID", "PYTEST_CURRENT_TEST")
 
-_server_key: frozenset | None = None  # the environment the running server imported in
+MAX_SERVERS = 3  # servers kept up, each holding SGLang's import (~1.1 GB idle)
+
+_servers: dict[frozenset, forkserver.ForkServer] = {}  # by the environment each imported in, least recent use first
 started = {"forked": 0, "spawned": 0, "servers": 0}  # this process's children, for the session's summary
 
-if os.environ.pop(SERVER_ENV, None) == "1":  # imported by the fork server, as a preload
+if os.environ.pop(SERVER_ENV, None) == "1":  # imported by a fork server, as a preload
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -49,16 +53,21 @@ def install() -> None:
     if os.environ.get(SPAWN_ENV) == "1" or sys.platform != "linux" or getattr(context.SpawnProcess._Popen,
                                                                                   "forks", False):
         return
-    forkserver.set_forkserver_preload(PRELOAD)
     spawn_popen = context.SpawnProcess._Popen
 
     def _Popen(process_obj):
-        if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1" or not _server_for(_key(os.environ)):
+        server = _server_for(_key(os.environ)) if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" else None
+        if server is None:
             started["spawned"] += 1
             return spawn_popen(process_obj)
         started["forked"] += 1
         process_obj._target = _InEnv(dict(os.environ), process_obj._target)
-        return popen_forkserver.Popen(process_obj)
+        default = forkserver.connect_to_new_process  # what popen_forkserver's launch calls
+        forkserver.connect_to_new_process = server.connect_to_new_process
+        try:
+            return popen_forkserver.Popen(process_obj)
+        finally:
+            forkserver.connect_to_new_process = default
 
     _Popen.forks = True
     context.SpawnProcess._Popen = staticmethod(_Popen)
@@ -68,39 +77,52 @@ def _key(env) -> frozenset:
     return frozenset((k, v) for k, v in env.items() if not k.startswith(RUN_TIME_ONLY))
 
 
-def _server_for(key: frozenset) -> bool:
-    """A running server that imported in this environment, started if need be; False if the
-    one running imported in another and still has children (a live engine's)."""
-    global _server_key
-    server = forkserver._forkserver
-    pid = server._forkserver_pid
-    if pid is not None and key != _server_key:
-        import psutil
-
-        try:
-            if psutil.Process(pid).children():
-                return False
-        except psutil.NoSuchProcess:
-            pass
-        server._stop()  # childless, it sees its "alive" pipe close and exits
+def _server_for(key: frozenset) -> forkserver.ForkServer | None:
+    """The running server that imported in this environment, started if need be; None if
+    MAX_SERVERS others run and each has a live child (a live engine's processes)."""
+    server = _servers.pop(key, None)
+    if server is None:
+        if len(_servers) >= MAX_SERVERS:
+            idle = next((k for k, s in _servers.items() if not _busy(s)), None)
+            if idle is None:
+                return None
+            _servers.pop(idle)._stop()  # childless, it sees its "alive" pipe close and exits
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(PRELOAD)
+    _servers[key] = server
     before = server._forkserver_pid
     os.environ[SERVER_ENV] = "1"
     try:
-        forkserver.ensure_running()
+        server.ensure_running()  # a server found dead is started again
     finally:
         os.environ.pop(SERVER_ENV, None)
     started["servers"] += server._forkserver_pid != before
-    _server_key = key
     engine = sys.modules.get("sglang.srt.entrypoints.engine")
     if engine is not None and not getattr(engine.kill_process_tree, "spares_fork_server", False):
         engine.kill_process_tree = _sparing_the_server(engine.kill_process_tree)
-    return True
+    return server
+
+
+def _busy(server: forkserver.ForkServer) -> bool:
+    """Whether the server has a child that has not exited (an engine's process)."""
+    import psutil
+
+    def live(child) -> bool:
+        try:
+            return child.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    try:
+        return any(map(live, psutil.Process(server._forkserver_pid).children()))
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _sparing_the_server(kill):
-    """SGLang's kill_process_tree, which spares this process's fork server and resource
+    """SGLang's kill_process_tree, which spares this process's fork servers and resource
     tracker when it is asked for every descendant of this process: each other child's tree
-    and the server's children are killed, as before."""
+    and the servers' children are killed, as before."""
 
     def kill_process_tree(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
         if parent_pid != os.getpid() or include_parent or skip_pid is not None:
@@ -108,7 +130,7 @@ def _sparing_the_server(kill):
         import psutil
         from multiprocessing import resource_tracker
 
-        spared = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
+        spared = {s._forkserver_pid for s in _servers.values()} | {resource_tracker._resource_tracker._pid}
         for child in psutil.Process().children():
             kill(child.pid, include_parent=child.pid not in spared, wait_timeout=wait_timeout)
 

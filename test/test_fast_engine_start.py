@@ -1,9 +1,9 @@
 """fast_engine_start.py, the tests' fork server for engine processes, without an engine:
 a child it forks runs in the environment and with the stdout of the moment, a change of
-environment that imports could read gets a server of its own (or a spawn while the old
-server has a live child), and SGLang's shutdown kill spares the server, not its children."""
+environment that imports could read gets a server of its own (the least recently used idle
+one giving way past MAX_SERVERS, a spawn when every one has a live child), and SGLang's
+shutdown kill spares the servers, not their children."""
 
-import os
 import os
 import subprocess
 import sys
@@ -13,6 +13,7 @@ TEST = Path(__file__).resolve().parent
 
 SCRIPT = r'''
 import json, multiprocessing as mp, os, sys, time
+import psutil
 sys.path.insert(0, sys.argv[1])
 import fast_engine_start as fes
 
@@ -40,11 +41,11 @@ def run(name, wait=0.0, join=True):
     return p, json.load(open(path))
 
 def server():
-    from multiprocessing import forkserver
-    return forkserver._forkserver._forkserver_pid
+    return list(fes._servers.values())[-1]._forkserver_pid  # the one used last
 
 if __name__ == "__main__":
     me = os.getpid()
+    fes.MAX_SERVERS = 2
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
     out = {"gpu_engine": run("a")}
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -56,18 +57,25 @@ if __name__ == "__main__":
     os.environ["SGLANG_TEST_RETRACT"] = "1"
     out["import_key"] = run("d")
     second = server()
-    out["new_server"] = second not in (None, first)
-    live, out["live"] = run("e", wait=30, join=False)
+    os.kill(first, 0)  # the first server is kept
+    busy, out["busy"] = run("e", wait=30, join=False)
     os.environ["SGLANG_TEST_RETRACT"] = "0"
-    out["while_live"] = run("f")
-    out["kept_server"] = server() == second
+    busy2, out["third_key"] = run("f", wait=30, join=False)
+    third = server()
+    out["first_stopped"] = not psutil.pid_exists(first)  # idle and least recently used: it made way
+    os.environ["SGLANG_TEST_RETRACT"] = "1"
+    out["own_busy_server"] = run("g")
+    os.environ["SGLANG_TEST_RETRACT"] = "2"
+    out["all_busy"] = run("h")
     from sglang.srt.utils.common import kill_process_tree  # what Engine.shutdown calls
 
     fes._sparing_the_server(kill_process_tree)(os.getpid(), include_parent=False, wait_timeout=20)
-    live.join(5)
-    out["live_killed"] = live.exitcode is not None
-    os.kill(second, 0)  # the server outlived the kill
-    out.update(me=me, first_server=first, second_server=second)
+    busy.join(5)
+    busy2.join(5)
+    out["busy_killed"] = busy.exitcode is not None and busy2.exitcode is not None
+    os.kill(second, 0)  # the servers outlived the kill
+    os.kill(third, 0)
+    out.update(me=me, servers=[first, second, third], started=fes.started)
     print("RESULT " + json.dumps(out), flush=True)
 '''
 
@@ -82,13 +90,18 @@ def test_children_fork_from_a_server_in_their_environment(tmp_path):
                           timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    me, first, second = out["me"], out["first_server"], out["second_server"]
+    me, (first, second, third) = out["me"], out["servers"]
+    assert len({me, first, second, third}) == 4
     assert out["gpu_engine"]["parent"] == me  # not a CPU engine: spawned
-    assert out["first"]["parent"] == first != me
+    assert out["first"]["parent"] == first
     assert out["run_time_key"] == {"parent": first, "x": "later", "retract": None} and out["same_server"]
-    assert out["import_key"] == {"parent": second, "x": "later", "retract": "1"} and out["new_server"]
-    assert out["live"]["parent"] == second
-    # the server that imported with SGLANG_TEST_RETRACT=1 has a live child: this one is spawned
-    assert out["while_live"] == {"parent": me, "x": "later", "retract": "0"} and out["kept_server"]
-    assert out["live_killed"]
-    assert proc.stdout.count("child stdout") == 6, proc.stdout  # every child wrote to our stdout
+    assert out["import_key"] == {"parent": second, "x": "later", "retract": "1"}
+    assert out["busy"]["parent"] == second
+    # MAX_SERVERS = 2 run: the first, idle and least recently used, made way for a third
+    assert out["third_key"] == {"parent": third, "x": "later", "retract": "0"} and out["first_stopped"]
+    assert out["own_busy_server"]["parent"] == second  # a live child does not keep its own key away
+    # both servers have a live child: an engine in a fourth environment is spawned
+    assert out["all_busy"] == {"parent": me, "x": "later", "retract": "2"}
+    assert out["busy_killed"]
+    assert out["started"] == {"forked": 6, "spawned": 2, "servers": 3}
+    assert proc.stdout.count("child stdout") == 8, proc.stdout  # every child wrote to our stdout
