@@ -6,6 +6,7 @@ keys. Imported by kernel_checks.py, which sets up the import path; not a pytest 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -139,13 +140,20 @@ class LaunchKeys:
     binder: constexprs, dtypes, the integer and alignment specializations, num_warps /
     num_stages) of every launch of the draft kernels, as (kernel, key). Computed from the
     launch's own arguments for an sm_90 target, so it works under the interpreter too. The
-    verify kernel's too (kernel_verify_checks.py)."""
+    verify kernel's too (kernel_verify_checks.py).
+
+    ``run=False`` records the launches without running them, for callers that read no
+    kernel output: a key is a function of the arguments' types, shapes' specializations and
+    constexprs, never of the values the kernels write (the warm-up checks under the
+    interpreter, where running them is most of their minutes; compiled, they run, so
+    ``_compiled_count`` sees what they compile)."""
 
     NAMES = (("td", "_decode_split_kernel"), ("td", "_combine_kernel"), ("tq", "_page_scores_kernel"),
              ("tq", "_quest_group_kernel"), ("tq", "_quest_split_kernel"), ("tv", "_verify_split_kernel"))
 
-    def __init__(self):
+    def __init__(self, run: bool = True):
         self.keys: set[tuple[str, str]] = set()
+        self.run = run
         self._saved = []
 
     def __enter__(self):
@@ -160,7 +168,7 @@ class LaunchKeys:
             jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
             binder = create_function_from_signature(jit.signature, jit.params, backend)
             self._saved.append((module, name, kernel))
-            setattr(module, name, _Recorded(kernel, name, binder, self.keys))
+            setattr(module, name, _Recorded(kernel, name, binder, self))
         return self
 
     def __exit__(self, *exc):
@@ -169,17 +177,24 @@ class LaunchKeys:
         self._saved.clear()
 
 
+def _run_launches() -> bool:
+    """Whether warm-up checks run the launches they record: compiled yes (what they compile
+    is counted), interpreted no (LaunchKeys' ``run``)."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
 class _Recorded:
-    def __init__(self, kernel, name, binder, keys):
-        self.kernel, self.name, self.binder, self.keys = kernel, name, binder, keys
+    def __init__(self, kernel, name, binder, recorder: LaunchKeys):
+        self.kernel, self.name, self.binder, self.recorder = kernel, name, binder, recorder
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             from triton.runtime.jit import compute_cache_key
 
             _, specialization, options = self.binder(*args, **kwargs)
-            self.keys.add((self.name, compute_cache_key({}, specialization, options)))
-            return self.kernel[grid](*args, **kwargs)
+            self.recorder.keys.add((self.name, compute_cache_key({}, specialization, options)))
+            if self.recorder.run:
+                return self.kernel[grid](*args, **kwargs)
 
         return launch
 
@@ -217,7 +232,7 @@ def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False, softcap
     shape = Shape((0,), kv_heads=2, group=3, dtype=dtype)
     layout = HeadLayout(6, 2, 64, dtype, dtype, logit_cap=softcap, sinks=sinks)
     sink = _sinks(6, 53, device) if sinks else None
-    with LaunchKeys() as warm:
+    with LaunchKeys(run=_run_launches()) as warm:
         assert warm_up(list(_round_methods(methods).values()), layout, device, draft_kernels=True,
                        lengths=(120, 70)) is not None
     names = {name for name, _ in warm.keys}
@@ -238,7 +253,7 @@ def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False, softcap
         attend(q, kn, vn, 0.125, sink, softcap or None)
 
     every = list(range(len(req_methods)))
-    with LaunchKeys() as real:
+    with LaunchKeys(run=_run_launches()) as real:
         for long, rounds in ((False, ((0, [0], 3), (17, every, 5), (40, [1, 0], 2))), (True, ((40, [0], 1),
                                                                                               (40, every, 1)))):
             with _long_entries(long):
@@ -332,14 +347,14 @@ def check_window_warm_up(device, softcap: float = 0.0) -> float:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     layout = HeadLayout(6, 2, 64, dtype, dtype, logit_cap=softcap)
-    with LaunchKeys() as warm:
+    with LaunchKeys(run=_run_launches()) as warm:
         assert warm_up([], layout, device, draft_kernels=True, lengths=(120, 70), windows=True) is not None
     compiled = _compiled_count(device)
     shape = Shape((0,), kv_heads=2, group=3, dtype=dtype)
     k_pool, v_pool = (t.to(device) for t in _kv(400, shape, 81))
     draft = WindowedDraft(None, {0: 16, 1: 100}, lambda layer: (k_pool, v_pool), kernels=True)
     g = _gen(82)
-    with LaunchKeys() as real:
+    with LaunchKeys(run=_run_launches()) as real:
         for verified, steps in (([300], 3), ([50, 9, 0, 130], 5), ([7, 200], 2)):
             slots = torch.randperm(400, generator=g)[: sum(verified)].to(device).split(verified)
             draft.begin_round(list(slots), verified, steps)
