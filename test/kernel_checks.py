@@ -39,7 +39,8 @@ from sgl_vericache.kernels.packing import pack, paged_pool  # noqa: E402
 from sgl_vericache.mem_cache.compress import causal_attention, get_compressor  # noqa: E402
 
 from kernel_fixtures import KIVI, SMALL, TOL, Case, Shape, _close, _gen, _kv  # noqa: E402,F401
-from kernel_store_checks import (check_mixed_packing, check_store_rounds, check_warm_up, check_window_rounds,  # noqa: E402
+from kernel_store_checks import (check_mixed_packing, check_recording_sees_the_keys_running_does,  # noqa: E402
+                                 check_store_rounds, check_warm_up, check_window_rounds,
                                  check_window_warm_up)
 from kernel_verify_checks import verify_cases  # noqa: E402
 
@@ -534,6 +535,11 @@ def all_cases() -> list[Case]:
     cases.append(Case("warm-up compiles what rounds launch: kivi4+streamingllm with a soft cap",
                       lambda dev: check_warm_up(("kivi4", "streamingllm"), dev, softcap=30.0), family="store",
                       tags=("kivi4", "streamingllm", "softcap", "warm")))
+    # the premise of the cases above under the interpreter, which records their launches
+    # without running them: Quest's page choice is the one place values steer launches
+    cases.append(Case("warm-up launches recorded see the keys run ones do: quest+snapkv+h2o",
+                      lambda dev: check_recording_sees_the_keys_running_does(("quest", "snapkv", "h2o"), dev),
+                      family="store", tags=("quest", "snapkv", "h2o", "warm")))
     # head dim 256 (Gemma 2 / 3: bf16, GQA 2, a soft cap) at the default launch sizes, compiled:
     # the largest head the drafts take (kernels.draft_head_dim), never compiled before
     wide = Shape((4000, 1500, 777), kv_heads=2, group=2, head_dim=256, dtype=torch.bfloat16)

@@ -225,6 +225,24 @@ def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False, softcap
     warm-up did not (and on CUDA, compile nothing new); ``sinks``: for a model with
     attention sinks (its rounds pass them, as bf16 values the warm-up never saw); ``softcap``:
     for a model whose attention soft-caps its scores at that cap."""
+    warm, real, compiled = _warm_up_launches(methods, device, sinks, softcap, _run_launches())
+    return _all_warmed(warm, real, device, compiled)
+
+
+def check_recording_sees_the_keys_running_does(methods: tuple[str, ...], device) -> float:
+    """The warm-up checks' premise under the interpreter (``LaunchKeys(run=False)``): with
+    their launches recorded and not run, the warm-up and the rounds launch the same variants
+    as with every launch run (no key, nor which launches happen, depends on what a kernel
+    wrote)."""
+    ran, recorded = (_warm_up_launches(methods, device, False, 0.0, run) for run in (True, False))
+    assert ran[0].keys == recorded[0].keys and ran[1].keys == recorded[1].keys, (
+        ran[0].keys ^ recorded[0].keys, ran[1].keys ^ recorded[1].keys)
+    return 0.0
+
+
+def _warm_up_launches(methods, device, sinks: bool, softcap: float, run: bool):
+    """check_warm_up's launches: (the warm-up's LaunchKeys, the rounds', kernels compiled in
+    between)."""
     from sgl_vericache.spec.drafter import CompressedKVStore
     from sgl_vericache.spec.warm_up import HeadLayout, warm_up
 
@@ -232,7 +250,7 @@ def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False, softcap
     shape = Shape((0,), kv_heads=2, group=3, dtype=dtype)
     layout = HeadLayout(6, 2, 64, dtype, dtype, logit_cap=softcap, sinks=sinks)
     sink = _sinks(6, 53, device) if sinks else None
-    with LaunchKeys(run=_run_launches()) as warm:
+    with LaunchKeys(run=run) as warm:
         assert warm_up(list(_round_methods(methods).values()), layout, device, draft_kernels=True,
                        lengths=(120, 70)) is not None
     names = {name for name, _ in warm.keys}
@@ -253,7 +271,7 @@ def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False, softcap
         attend(q, kn, vn, 0.125, sink, softcap or None)
 
     every = list(range(len(req_methods)))
-    with LaunchKeys(run=_run_launches()) as real:
+    with LaunchKeys(run=run) as real:
         for long, rounds in ((False, ((0, [0], 3), (17, every, 5), (40, [1, 0], 2))), (True, ((40, [0], 1),
                                                                                               (40, every, 1)))):
             with _long_entries(long):
@@ -269,7 +287,7 @@ def check_warm_up(methods: tuple[str, ...], device, sinks: bool = False, softcap
                     store.begin_round([len(req_methods) - 1], 4)
                     step(lambda *a: store.attend_tokens(0, *a), 4)
     store.clear()
-    return _all_warmed(warm, real, device, compiled)
+    return warm, real, compiled
 
 
 class _long_entries:
