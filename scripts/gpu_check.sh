@@ -47,7 +47,7 @@ EOF
 }
 
 kernel_checks() {
-  # 224 cases at 2026-12-07 (109 ran in 162 s in one process at 1348b4a): Triton's compiles are
+  # 225 cases at 2026-12-07 (109 ran in 162 s in one process at 1348b4a): Triton's compiles are
   # single-threaded, so 14 of the 16 cores; no case starts after 190 s, so the step ends with
   # every line it ran and the rest named as not run, not killed at its limit
   step kernel_checks 220 "$PY" test/kernel_checks.py --device cuda --jobs 14 --budget-s 190
