@@ -1,5 +1,5 @@
 """Shared test fixtures: a real server started with ``python -m sgl_vericache.launch_server``
-(one per module), the default model, the gpu marker's skip, the kernels' fallback check, and
+(one, shared by the modules in ``SERVER_MODULES``, which run one after the other), the default model, the gpu marker's skip, the kernels' fallback check, and
 the fork servers that in-process CPU engines start their processes from (fast_engine_start.py;
 ``VERICACHE_TEST_SPAWN=1`` turns it off)."""
 
@@ -31,7 +31,14 @@ def pytest_terminal_summary(terminalreporter):
                                     "server(s), {spawned} spawned (fast_engine_start.py)".format(**started))
 
 
+# The modules that share the launched server (the ``server`` fixture), in the order they run:
+# test_server.py's last test stops it.
+SERVER_MODULES = ("test_api_fuzz.py", "test_server.py")
+_launched = []  # the shared server, while it is up
+
+
 def pytest_collection_modifyitems(config, items):
+    _run_server_modules_together(items)
     try:
         import torch
 
@@ -53,16 +60,43 @@ def default_model_path() -> Path:
     return ensure_default_model()
 
 
-@pytest.fixture(scope="module")
+def _run_server_modules_together(items: list) -> None:
+    """Puts the items of ``SERVER_MODULES`` next to each other, in that order, where the
+    first of them was. SGLang's ``Engine.shutdown()`` SIGKILLs every child process of the
+    process it runs in (``kill_process_tree(os.getpid())``): an in-process engine shut down
+    between two of these modules would take their server with it, silently."""
+    shared = [item for item in items if item.path.name in SERVER_MODULES]
+    if not shared:
+        return
+    first = items.index(shared[0])
+    rest = [item for item in items if item.path.name not in SERVER_MODULES]
+    shared.sort(key=lambda item: SERVER_MODULES.index(item.path.name))  # stable: each module's own order
+    items[:] = rest[:first] + shared + rest[first:]
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """The server as a user starts it: no arguments at all. One per module, not per session:
-    SGLang's ``Engine.shutdown()`` SIGKILLs every child process of the process it runs in
-    (``kill_process_tree(os.getpid())``), so the first in-process engine a later module shuts
-    down would take a session-long server with it, silently."""
-    srv = ServerProcess([], tmp_path_factory.mktemp("server") / "server.log")
+    """The server as a user starts it, with its metrics on (``--enable-metrics``): one for all
+    of ``SERVER_MODULES`` (its start is ~40 s on 2 cores). Those run one after the other
+    (``_run_server_modules_together``), and the server is stopped after the last of their
+    items that ran (``pytest_runtest_teardown``), so it is never up beside in-process engines."""
+    srv = ServerProcess(["--enable-metrics"], tmp_path_factory.mktemp("server") / "server.log")
     srv.wait_ready()
+    _launched.append(srv)
     yield srv
-    srv.stop()
+    _stop_launched()
+
+
+def _stop_launched() -> None:
+    while _launched:
+        srv = _launched.pop()
+        if srv.proc.poll() is None:
+            srv.stop()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _launched and (nextitem is None or nextitem.path.name not in SERVER_MODULES):
+        _stop_launched()
 
 
 @pytest.fixture(autouse=True)

@@ -386,7 +386,8 @@ def chat_bodies(draw):
 
 @pytest.fixture(scope="module")
 def srv(server):
-    """The server as a user starts it (conftest's: no arguments, VeriCache on)."""
+    """The server as a user starts it (conftest's: VeriCache on, metrics on), shared with
+    test_server.py, which runs after this module and stops it."""
     return server
 
 

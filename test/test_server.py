@@ -1,7 +1,7 @@
 """The server as a user runs it: `python -m sgl_vericache.launch_server` with defaults.
 
-One server for the whole module (startup is ~1-2 min on 2 cores); the shutdown test
-runs last and stops it."""
+One server (conftest's ``server``, with ``--enable-metrics``), shared with test_api_fuzz.py,
+which runs just before this module; the shutdown test runs last and stops it."""
 
 from __future__ import annotations
 
@@ -14,19 +14,15 @@ import time
 import pytest
 import requests
 
-from conftest import ROOT, ServerProcess
+from conftest import ROOT
 from prompts import prompt_set
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    server = ServerProcess(["--enable-metrics"], tmp_path_factory.mktemp("server") / "server.log")
-    server.wait_ready()
-    yield server
-    if server.proc.poll() is None:
-        server.stop()
+def srv(server):
+    return server
 
 
 def post(srv, path, payload, **kw):
