@@ -1,6 +1,7 @@
 """Shared test fixtures: a real server started with ``python -m sgl_vericache.launch_server``
-(one, shared by the modules in ``SERVER_MODULES``, which run one after the other), the default model, the gpu marker's skip, the kernels' fallback check, and
-the fork servers that in-process CPU engines start their processes from (fast_engine_start.py;
+(one, shared by the modules in ``SERVER_MODULES``, which run one after the other), the
+default model, the gpu marker's skip, the kernels' fallback check, and the fork servers that
+in-process CPU engines start their processes from (fast_engine_start.py;
 ``VERICACHE_TEST_SPAWN=1`` turns it off)."""
 
 from __future__ import annotations
@@ -89,9 +90,7 @@ def server(tmp_path_factory):
 
 def _stop_launched() -> None:
     while _launched:
-        srv = _launched.pop()
-        if srv.proc.poll() is None:
-            srv.stop()
+        _launched.pop().stop()  # also reaps what is left of a server that already exited
 
 
 def pytest_runtest_teardown(item, nextitem):
