@@ -329,7 +329,7 @@ def test_query_aware_compressor_gets_prompt_queries():
 
 
 def test_pad_drafts_fills_the_verify_width():
-    from sgl_vericache.spec.round import pad_drafts as _pad_drafts
+    from sgl_vericache.spec.round_batch import pad_drafts as _pad_drafts
 
     drafts = np.array([[5, 6, 7], [8, 9, 10]])
     out = _pad_drafts(drafts, [1, 3], 5)
@@ -526,7 +526,7 @@ def test_prompt_queries_are_captured_per_request_and_layer():
     from types import SimpleNamespace
 
     from sgl_vericache.sglang.attention import capture_queries as _capture_queries
-    from sgl_vericache.spec.round import MAX_CAPTURED_QUERIES, layer_queries as _layer_queries
+    from sgl_vericache.spec.entry_sync import MAX_CAPTURED_QUERIES, layer_queries as _layer_queries
 
     captured = {}
     layer = SimpleNamespace(tp_q_head_num=3, qk_head_dim=4, layer_id=1)
@@ -566,7 +566,8 @@ def test_a_prefill_keeps_the_prompt_queries_its_compressor_reads():
     request: 128 MiB a request at Llama-3-8B's size)."""
     from types import SimpleNamespace
 
-    from sgl_vericache.spec.round import MAX_CAPTURED_QUERIES, Speculator
+    from sgl_vericache.spec.entry_sync import MAX_CAPTURED_QUERIES
+    from sgl_vericache.spec.round import Speculator
 
     spec = Speculator.__new__(Speculator)  # only its planner's plans are read
     spec.planner = SimpleNamespace(plan_arriving=lambda reqs: [SimpleNamespace(compressor=get_compressor(

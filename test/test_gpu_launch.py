@@ -5,7 +5,7 @@
   --disable-cuda-graph; an engine built another way with graphs on a CUDA device is refused.
 - A sampled round keeps its generator and tensors on the logits' device.
 - The adaptive planner's step times wait for the device: on CUDA a host clock read right
-  after a forward times its launches (``spec.round.device_clock``).
+  after a forward times its launches (``spec.round_batch.device_clock``).
 
 Imports nothing from SGLang, so scripts/gpu_check.sh can run it on a bare GPU machine.
 """
@@ -25,7 +25,7 @@ except ImportError:  # a bare GPU machine without pytest runs this file as a scr
 from sgl_vericache.config import VeriCacheConfig
 from sgl_vericache.sglang.server import (apply_vericache_flags, check_cuda_graphs, check_deterministic,
                                          check_kv_cache_dtype, check_kv_pool, check_parallelism, check_sampling)
-from sgl_vericache.spec.round import device_clock
+from sgl_vericache.spec.round_batch import device_clock
 from sgl_vericache.spec.sampled_round import SampledRound
 
 

@@ -311,7 +311,7 @@ def test_penalized_requests_verify_in_every_round_under_a_full_kv_budget():
     would then count its last output token's penalty again at the next iteration. A
     penalized row verifies in every round, first, whatever the budget; of the others the
     longest waiting still always verifies (no one starves)."""
-    from sgl_vericache.spec.round import verifying_rows
+    from sgl_vericache.spec.round_batch import verifying_rows
 
     assert verifying_rows(100, [80, 80, 80], [0, 5, 0]) == [False, True, False]
     assert verifying_rows(100, [80, 80, 80], [0, 5, 0], [False, False, True]) == [False, True, True]
@@ -552,7 +552,7 @@ def test_a_finished_requests_rid_sent_again_is_a_new_request():
     plan = spec.plan(second)
     assert plan.draft_len == 4  # its own plan, not the first request's override
     iteration([_req("other", 50)])  # it leaves: its entry is filed under its own tokens
-    from sgl_vericache.spec.round import kv_tokens
+    from sgl_vericache.spec.entry_sync import kv_tokens
 
     assert "agent" not in spec.store
     assert spec.prefix_cache.match(kv_tokens(second, 400), plan.compressor)[0] == 400

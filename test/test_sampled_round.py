@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 from types import SimpleNamespace
 
-from sgl_vericache.spec.round import pad_drafts
+from sgl_vericache.spec.round_batch import pad_drafts
 from sgl_vericache.spec.sampled_round import SampledRound
 
 V, BS, ROUNDS = 2, 2, 3000

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from sgl_vericache.kernels import verify_kernel_available
 from sgl_vericache.sglang.runtime import Runtime, patch
 from sgl_vericache.mem_cache.compress import attention
-from sgl_vericache.spec.round import MAX_CAPTURED_QUERIES
+from sgl_vericache.spec.entry_sync import MAX_CAPTURED_QUERIES
 
 logger = logging.getLogger(__name__)
 

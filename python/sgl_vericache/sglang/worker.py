@@ -34,7 +34,8 @@ from sgl_vericache.sglang.server import (check_cuda_graphs, check_deterministic,
                                          check_disaggregation, check_grammar_backend, check_parking_args,
                                          check_routed_experts, check_sampling)
 from sgl_vericache.spec.ranks import first_rank_values
-from sgl_vericache.spec.round import RoundBatch, Speculator, device_clock, last_token
+from sgl_vericache.spec.round import Speculator
+from sgl_vericache.spec.round_batch import RoundBatch, device_clock, last_token
 from sgl_vericache.spec.stats import Stats
 
 logger = logging.getLogger(__name__)
