@@ -1,9 +1,9 @@
-"""Compressed prefix entries in a storage tier (``mem_cache/compressed_tier.py``): every
-compressor's entry survives encode / decode bit for bit; a stored entry read back for
-another prefix, another compressor or with damaged bytes is refused; the tier's writer and
-reader threads, its pending-bytes cap and a failing store; and the compressed prefix cache
-spilling what it evicts (random sequences against a reference, with integrity after every
-step). The end-to-end path (SGLang's file backend, drafting from an entry read back) is in
+"""Compressed prefix entries in a storage tier (``mem_cache/compressed_tier.py``, its entry
+format ``mem_cache/entry_format.py``): every compressor's entry survives encode / decode bit
+for bit; a stored entry read back for another prefix, another compressor or with damaged
+bytes is refused; the tier's writer and reader threads, its pending-bytes cap and a failing
+store; and the compressed prefix cache spilling what it evicts (random sequences against a
+reference: ``test_prefix_spill.py``). The end-to-end path (SGLang's file backend, drafting from an entry read back) is in
 ``test_fetch_drafting.py``."""
 
 from __future__ import annotations
@@ -13,21 +13,17 @@ import threading
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from sgl_vericache.mem_cache.compress import get_compressor
 from sgl_vericache.mem_cache.compress.registry import available_compressors
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
-from sgl_vericache.mem_cache import compressed_tier
-from sgl_vericache.mem_cache.compressed_tier import (
+from sgl_vericache.mem_cache import compressed_tier, entry_format
+from sgl_vericache.mem_cache.compressed_tier import CompressedTier, DictBlobStore, SpilledEntry, Throughput, worth_reading
+from sgl_vericache.mem_cache.entry_format import (
     INDEX_RECORD_BYTES,
     MAGIC,
-    CompressedTier,
     CorruptEntryError,
-    DictBlobStore,
     OtherFormatError,
-    Throughput,
     decode_entry,
     decode_index_record,
     encode_entry,
@@ -36,7 +32,6 @@ from sgl_vericache.mem_cache.compressed_tier import (
     index_key,
     move_entry,
     storage_key,
-    worth_reading,
 )
 
 
@@ -319,21 +314,20 @@ def test_index_records_and_anchors():
 def _resigned(data, tokens, key, edit):
     """``data`` with its header changed by ``edit`` and signed again: a digest-valid entry
     as another build of this format version would write it."""
-    import hashlib
     import json
 
-    start = compressed_tier._PREFIX.size + compressed_tier._DIGEST
-    _, header_len = compressed_tier._PREFIX.unpack_from(data)
+    start = entry_format._PREFIX.size + entry_format._DIGEST
+    _, header_len = entry_format._PREFIX.unpack_from(data)
     header = json.loads(data[start : start + header_len])
     edit(header)
     new = json.dumps(header, separators=(",", ":")).encode()
     body = new + data[start + header_len :]
-    return compressed_tier._PREFIX.pack(MAGIC, len(new)) + compressed_tier._entry_digest(key, tokens, body) + body
+    return entry_format._PREFIX.pack(MAGIC, len(new)) + entry_format._entry_digest(key, tokens, body) + body
 
 
 def _stored(store, tokens, key, data):
     store.put("vericache-c-x", data)
-    return compressed_tier.SpilledEntry(len(tokens), key, nbytes=len(data), storage_key="vericache-c-x")
+    return SpilledEntry(len(tokens), key, nbytes=len(data), storage_key="vericache-c-x")
 
 
 def test_an_entry_whose_fields_differ_from_this_builds_is_a_miss_not_decoded(monkeypatch, caplog):
@@ -348,7 +342,7 @@ def test_an_entry_whose_fields_differ_from_this_builds_is_a_miss_not_decoded(mon
     extra = _resigned(data, tokens, key, lambda h: h["layers"][0]["fields"].update(sink_count={"value": 4}))
     fewer = _resigned(data, tokens, key, lambda h: h["layers"][1]["fields"].pop("positions"))
     built = []
-    monkeypatch.setattr(compressed_tier, "_field", lambda spec, blob: built.append(spec))
+    monkeypatch.setattr(entry_format, "_field", lambda spec, blob: built.append(spec))
     for forged, match in ((extra, r"fields \['sink_count'\] this build lacks"), (fewer, r"without \['positions'\]")):
         with pytest.raises(OtherFormatError, match=match):
             decode_entry(forged, tokens, key)
@@ -374,7 +368,7 @@ def test_an_entry_of_another_format_version_is_a_miss_without_decoding(monkeypat
     tokens, key = tuple(range(100)), repr(comp)
     data = encode_entry(tokens, layers, key)
     digested = []
-    monkeypatch.setattr(compressed_tier, "_entry_digest", lambda *a: digested.append(a))
+    monkeypatch.setattr(entry_format, "_entry_digest", lambda *a: digested.append(a))
     for magic in (b"VCE1", b"VCE3"):
         with pytest.raises(OtherFormatError, match=f"magic {magic!r}, this build reads {MAGIC!r}"):
             decode_entry(magic + data[4:], tokens, key)
@@ -388,7 +382,7 @@ def test_an_entry_of_another_format_version_is_a_miss_without_decoding(monkeypat
     assert tier.fetch(tokens, _stored(store, tokens, key, b"VCE1" + data[4:])).result(5) is None
     assert tier.snapshot()["fetch_other_format"] == 1 and tier.snapshot()["fetch_corrupt"] == 0
     # a build of another version wrote this entry and its index record: not found, not read
-    monkeypatch.setattr(compressed_tier, "MAGIC", b"VCE3")
+    monkeypatch.setattr(entry_format, "MAGIC", b"VCE3")
     _spilled(store, comp, {tokens: layers})
     monkeypatch.undo()
     assert tier.find(tokens, comp).result(5) is None
@@ -475,122 +469,6 @@ def test_prefix_cache_spills_what_it_evicts_and_finds_it_again():
     assert cache.match_spilled(big, comp)[0] == 96 and cache.match(big, comp) == (0, None)
     cache.check_integrity()
     tier.close()
-
-
-class Reference:
-    """Resident entries with LRU ticks, and spilled ones (keys only, at most ``max_spilled``,
-    the least recently used dropped first). Entries are 16 bytes a token."""
-
-    def __init__(self, budget, max_spilled):
-        self.budget, self.max_spilled = budget, max_spilled
-        self.resident, self.spilled, self.clock = {}, {}, 0
-
-    def nbytes(self):
-        return sum(16 * len(t) for (_, t) in self.resident)
-
-    def _tick(self):
-        self.clock += 1
-        return self.clock
-
-    def _spill(self, item, tick):
-        if self.max_spilled:
-            self.spilled[item] = tick
-        while len(self.spilled) > self.max_spilled:
-            del self.spilled[min(self.spilled, key=self.spilled.get)]
-
-    def insert(self, tokens, key):
-        if not tokens:
-            return False
-        item = (key, tokens)
-        if 16 * len(tokens) > self.budget and not self.max_spilled:
-            return False  # refused: whatever was filed under it stays
-        self.resident.pop(item, None)
-        self.spilled.pop(item, None)
-        if 16 * len(tokens) > self.budget:
-            self._spill(item, self._tick())
-            return True
-        self.resident[item] = self._tick()
-        self.evict(self.budget)
-        return True
-
-    def evict(self, target):
-        while self.nbytes() > target:
-            victim = min(self.resident, key=self.resident.get)
-            self._spill(victim, self.resident.pop(victim))
-
-    def _best(self, table, tokens, key):
-        return max((len(t) for (k, t) in table if k == key and tokens[: len(t)] == t), default=0)
-
-    def match(self, tokens, key):
-        best = self._best(self.resident, tokens, key)
-        if best:
-            self.resident[(key, tokens[:best])] = self._tick()
-        return best
-
-    def match_spilled(self, tokens, key):
-        best = self._best(self.spilled, tokens, key)
-        if best:
-            self.spilled[(key, tokens[:best])] = self._tick()
-        return best
-
-
-class _Layer(dataclasses.make_dataclass("_LayerBase", [("t", torch.Tensor)],
-                                        bases=(__import__("sgl_vericache.mem_cache.compress.base",
-                                                          fromlist=["CompressedLayer"]).CompressedLayer,))):
-    def tensors(self):
-        return [self.t]
-
-
-def _layers(n):
-    return [_Layer(n, 1, 1, torch.float32, torch.full((n, 2), float(n))) for _ in range(2)]  # 16 bytes a token
-
-
-tok_seq = st.lists(st.integers(0, 3), min_size=0, max_size=12).map(tuple)
-ops = st.lists(st.tuples(st.sampled_from(["insert", "match", "spilled", "evict"]), tok_seq,
-                         st.sampled_from(["a", "b"]), st.integers(0, 400)), min_size=1, max_size=60)
-
-
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, budget=st.integers(0, 400), max_spilled=st.integers(0, 4))
-def test_random_sequences_with_a_tier_match_the_reference(ops, budget, max_spilled):
-    stubs = []
-
-    def spill(tokens, key, layers):  # the tier's role, without threads: a stub carrying the entry
-        from sgl_vericache.mem_cache.compressed_tier import SpilledEntry
-
-        stub = SpilledEntry(len(tokens), repr(key), layers=tuple(layers))
-        stubs.append(stub)
-        return stub
-
-    cache, ref = CompressedPrefixCache(budget, spill=spill, max_spilled=max_spilled), Reference(budget, max_spilled)
-    for op, tokens, key, target in ops:
-        if op == "insert":
-            assert cache.insert(tokens, key, _layers(len(tokens))) == ref.insert(tokens, key)
-        elif op == "match":
-            n, layers = cache.match(tokens, key)
-            assert n == ref.match(tokens, key), (tokens, key)
-            assert layers is None or all(l.num_tokens == n for l in layers)
-        elif op == "spilled":
-            n, stub = cache.match_spilled(tokens, key)
-            assert n == ref.match_spilled(tokens, key), (tokens, key)
-            assert (stub is None) == (n == 0)
-            if stub is not None:  # the stub is the entry evicted for exactly that prefix
-                assert stub.num_tokens == n and stub.key == repr(key)
-                assert all(torch.equal(l.t, torch.full((n, 2), float(n))) for l in stub.layers)
-        else:
-            cache.evict(target)
-            ref.evict(target)
-        cache.check_integrity()
-        assert cache.nbytes == ref.nbytes() and cache.num_entries == len(ref.resident)
-        assert cache.num_spilled == len(ref.spilled)
-    cache.clear()
-    cache.check_integrity()
-    assert cache.num_spilled == 0 and not cache.root.children
-
-
-def test_bad_max_spilled_is_refused():
-    with pytest.raises(ValueError, match="max_spilled -1 is invalid; accepted: an int >= 0"):
-        CompressedPrefixCache(10, spill=lambda *a: None, max_spilled=-1)
 
 
 def test_blob_stores_over_sglang_file_backends(tmp_path):

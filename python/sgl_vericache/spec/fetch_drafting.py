@@ -36,8 +36,8 @@ import time
 
 import torch
 
-from sgl_vericache.mem_cache.compressed_tier import (INDEX_ANCHOR, SpilledEntry, Throughput, index_anchors,
-                                                     move_entry, worth_reading)
+from sgl_vericache.mem_cache.compressed_tier import SpilledEntry, Throughput, worth_reading
+from sgl_vericache.mem_cache.entry_format import INDEX_ANCHOR, index_anchors, move_entry
 from sgl_vericache.spec.draft_queue import DraftQueue
 from sgl_vericache.spec.drafter import CompressedKVStore, selects_per_step
 
