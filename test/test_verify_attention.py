@@ -291,7 +291,7 @@ def test_attention_verify_does_not_compute_is_refused_at_start_where_decode_appl
     whose torch_native decode does none of it either, it is served (outputs equal there)."""
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    from sgl_vericache.sglang.attention import check_attention, unreproduced_attention
+    from sgl_vericache.sglang.attention_layers import check_attention, unreproduced_attention
 
     def model(**attrs):
         net = torch.nn.ModuleList([RadixAttention(4, 16, 0.25, 2, layer_id=i) for i in range(2)])
@@ -323,7 +323,7 @@ def test_layers_sharing_another_layers_kv_are_refused_at_start_on_every_device()
     wrong reason; its pool is refused by ``check_kv_pool``)."""
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    from sgl_vericache.sglang.attention import check_attention, shared_kv_layers
+    from sgl_vericache.sglang.attention_layers import check_attention, shared_kv_layers
 
     class Attention(torch.nn.Module):  # the shape of Gemma 3n's attention module that matters here
         def __init__(self, layer_id, reads):

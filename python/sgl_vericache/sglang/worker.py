@@ -26,7 +26,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
 from sgl_vericache.config import VeriCacheConfig
-from sgl_vericache.sglang import attention, forward, penalties, radix, sampling, storage
+from sgl_vericache.sglang import attention, attention_layers, forward, penalties, radix, sampling, storage
 from sgl_vericache.sglang.linear import build_draft_weights
 from sgl_vericache.sglang.runtime import Runtime
 from sgl_vericache.sglang.server import (check_cuda_graphs, check_deterministic, check_kv_cache_dtype, check_kv_pool,
@@ -72,7 +72,7 @@ class WorkerSeam:
         self.num_layers = self.model_runner.model_config.num_hidden_layers
         self.context_len = self.model_runner.model_config.context_len  # positions verify may reach
         self.passes = forward.DraftPasses(self.model_runner, runtime, draft_weights)
-        self.windows = attention.sliding_windows(self.model_runner.model)  # layer id -> window, window layers only
+        self.windows = attention_layers.sliding_windows(self.model_runner.model)  # layer id -> window, window layers only
         from sglang.srt.distributed.parallel_state import get_tp_group
 
         self.tp_group = get_tp_group()
@@ -143,7 +143,7 @@ class WorkerSeam:
         without one."""
         from sglang.srt.layers.radix_attention import RadixAttention
 
-        from sgl_vericache.sglang.attention import has_attention_sinks, logit_cap
+        from sgl_vericache.sglang.attention_layers import has_attention_sinks, logit_cap
         from sgl_vericache.spec.warm_up import HeadLayout
 
         layer = next((m for m in self.model_runner.model.modules() if isinstance(m, RadixAttention)), None)
@@ -213,7 +213,7 @@ class VeriCacheWorker(NGRAMWorker):
         self.cuda_graphs = decode_graphs_on(self.model_runner)
         check_cuda_graphs(self.cuda_graphs, self.device)
         check_kv_cache_dtype(self.model_runner.kv_cache_dtype)
-        attention.check_attention(self.model_runner.model, self.model_runner.model_config, self.device)
+        attention_layers.check_attention(self.model_runner.model, self.model_runner.model_config, self.device)
         check_parallelism(getattr(server_args, "enable_dp_attention", False), getattr(server_args, "pp_size", 1),
                           getattr(server_args, "dcp_size", 1), getattr(server_args, "attn_cp_size", 1),
                           bool(getattr(server_args, "enable_prefill_cp", False)),
