@@ -1,9 +1,12 @@
 """The pure-torch sgl_kernel CPU ops (sgl_vericache.cpu.ops) on small hand-built inputs,
-against hand-derived outputs or a plain loop written from the CUDA/Triton twin. Fast."""
+against hand-derived outputs or a plain loop written from the CUDA/Triton twin; and the
+stand-in that serves them as ``sgl_kernel`` on a CPU machine (never on a GPU one). Fast."""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -310,3 +313,44 @@ def test_murmur_hash32_matches_textbook_murmur3():
             s = int(seeds[i]) & (2**64 - 1)
             block = struct.pack("<IIII", s & 0xFFFFFFFF, s >> 32, int(positions[i]) & 0xFFFFFFFF, int(cols[j]))
             assert int(out[i, j]) == _murmur3_x86_32(block), (i, j)
+
+
+# --- the stand-in: sgl_kernel served by these ops on a CPU machine ---------------------------
+
+
+def test_cpu_stand_in_serves_ops_and_refuses_unknown_ones():
+    code = (
+        "import sgl_kernel, torch\n"
+        "from sgl_vericache.cpu import compat as cpu_compat\n"
+        "if not cpu_compat.stand_in_active():\n"
+        "    print('REAL'); raise SystemExit\n"
+        "x = torch.randn(4, 8); w = torch.ones(8)\n"
+        "torch.testing.assert_close(sgl_kernel.rmsnorm(x, w, 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))\n"
+        "from sgl_kernel import fancy_gemm_cpu\n"
+        "try:\n"
+        "    fancy_gemm_cpu(x)\n"
+        "except cpu_compat.CpuKernelUnavailable as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    if "REAL" in r.stdout:
+        pytest.skip("a real sgl_kernel imports here; the stand-in is inactive")
+    assert "REFUSED" in r.stdout and "'sgl_kernel.fancy_gemm_cpu'" in r.stdout
+
+
+def test_a_gpu_machine_gets_sgl_kernels_own_import_error_not_the_stand_in(monkeypatch):
+    """Where a CUDA driver loads, a real sgl_kernel that fails to import is a broken install:
+    its own error surfaces, instead of pure-torch stand-ins served to a GPU engine (or a later
+    "use torch_native on CPU"). SGLang's CPU engine, asked for, still gets the stand-in."""
+    from sgl_vericache.cpu import compat
+
+    monkeypatch.setattr(compat, "_real_kernel_imports", lambda: False)
+    monkeypatch.setattr(compat, "_cuda_driver_present", lambda: True)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    assert compat._Finder().find_spec("sgl_kernel") is None
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    assert compat._Finder().find_spec("sgl_kernel") is not None
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE")
+    monkeypatch.setattr(compat, "_cuda_driver_present", lambda: False)  # a CPU machine
+    assert compat._Finder().find_spec("sgl_kernel") is not None
