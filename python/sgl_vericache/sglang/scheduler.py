@@ -115,76 +115,89 @@ def install_deferred_rows(runtime: Runtime) -> None:
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
     from sglang.srt.managers.utils import GenerationBatchResult
 
-    def make_resolve(resolve):
-        def _resolve_spec_v2_tokens(self, result, batch):
-            lens = result.accept_lens.tolist()
-            deferred = [i for i, (req, n) in enumerate(zip(batch.reqs, lens))
-                        if n == 0 and not (req.is_retracted or req.finished())]
-            tokens = resolve(self, result, batch)
-            for i in deferred:
-                req = batch.reqs[i]
-                req.spec_verify_ct -= 1
-                req.spec_num_correct_drafts -= result.num_correct_drafts_per_req_cpu[i]
-                req.vericache_deferred = True
-                result.num_correct_drafts -= result.num_correct_drafts_per_req_cpu[i]
-                result.num_correct_drafts_per_req_cpu[i] = 0
-            # read just after by get_num_generated_tokens and update_spec_metrics, both handed the
-            # whole batch size (SGLang counts a bonus token and a verify per row)
-            result.vericache_deferred = self.metrics_reporter.vericache_deferred = len(deferred)
-            return tokens
+    patch(SchedulerBatchResultProcessor, "_resolve_spec_v2_tokens", runtime, _keep_deferred_counts)
+    patch(Req, "update_spec_correct_drafts_histogram", runtime, _histogram_without_deferred)
+    patch(Req, "update_finish_state", runtime, _finish_state_skipping_deferred)
+    patch(SchedulerOutputStreamer, "stream_output", runtime, _stream_without_deferred)
+    patch(SchedulerMetricsReporter, "update_spec_metrics", runtime, _spec_metrics_without_deferred)
+    patch(GenerationBatchResult, "get_num_generated_tokens", runtime, _generated_without_deferred)
 
-        return _resolve_spec_v2_tokens
 
-    def make_generated(generated):
-        def get_num_generated_tokens(self, batch_size):
-            return generated(self, batch_size - getattr(self, "vericache_deferred", 0))
+def _keep_deferred_counts(resolve):
+    """A deferred row's verify and correct drafts are taken back off its counts and the
+    batch's, and the row is marked (``req.vericache_deferred``) for the hooks below."""
+    def _resolve_spec_v2_tokens(self, result, batch):
+        lens = result.accept_lens.tolist()
+        deferred = [i for i, (req, n) in enumerate(zip(batch.reqs, lens))
+                    if n == 0 and not (req.is_retracted or req.finished())]
+        tokens = resolve(self, result, batch)
+        for i in deferred:
+            req = batch.reqs[i]
+            req.spec_verify_ct -= 1
+            req.spec_num_correct_drafts -= result.num_correct_drafts_per_req_cpu[i]
+            req.vericache_deferred = True
+            result.num_correct_drafts -= result.num_correct_drafts_per_req_cpu[i]
+            result.num_correct_drafts_per_req_cpu[i] = 0
+        # read just after by get_num_generated_tokens and update_spec_metrics, both handed the
+        # whole batch size (SGLang counts a bonus token and a verify per row)
+        result.vericache_deferred = self.metrics_reporter.vericache_deferred = len(deferred)
+        return tokens
 
-        return get_num_generated_tokens
+    return _resolve_spec_v2_tokens
 
-    def make_spec_metrics(spec_metrics):
-        def update_spec_metrics(self, bs, *args, **kwargs):
-            bs -= getattr(self, "vericache_deferred", 0)
-            self.vericache_deferred = 0
-            spec_metrics(self, bs, *args, **kwargs)
 
-        return update_spec_metrics
+def _generated_without_deferred(generated):
+    """The generated-token count (throughput) leaves deferred rows out."""
+    def get_num_generated_tokens(self, batch_size):
+        return generated(self, batch_size - getattr(self, "vericache_deferred", 0))
 
-    def make_histogram(histogram):
-        def update_spec_correct_drafts_histogram(self, num_correct_drafts):
-            if num_correct_drafts >= 0:
-                histogram(self, num_correct_drafts)
+    return get_num_generated_tokens
 
-        return update_spec_correct_drafts_histogram
 
-    def make_finish_state(finish_state):
-        def update_finish_state(self, new_accepted_len=1):
-            if new_accepted_len == 0 and getattr(self, "vericache_deferred", False) and not self.to_finish:
-                return
-            finish_state(self, new_accepted_len)
+def _spec_metrics_without_deferred(spec_metrics):
+    """The server-level accept length counts no verify for deferred rows."""
+    def update_spec_metrics(self, bs, *args, **kwargs):
+        bs -= getattr(self, "vericache_deferred", 0)
+        self.vericache_deferred = 0
+        spec_metrics(self, bs, *args, **kwargs)
 
-        return update_finish_state
+    return update_spec_metrics
 
-    def make_stream(stream):
-        def stream_output(self, reqs, return_logprob, *args, **kwargs):
-            if any(getattr(req, "vericache_deferred", False) for req in reqs):
-                sent = []
-                for req in reqs:
-                    if getattr(req, "vericache_deferred", False):
-                        req.vericache_deferred = False
-                        if not req.finished():
-                            continue
-                    sent.append(req)
-                reqs = sent
-            return stream(self, reqs, return_logprob, *args, **kwargs)
 
-        return stream_output
+def _histogram_without_deferred(histogram):
+    """A deferred row's draft-acceptance histogram is left as it was."""
+    def update_spec_correct_drafts_histogram(self, num_correct_drafts):
+        if num_correct_drafts >= 0:
+            histogram(self, num_correct_drafts)
 
-    patch(SchedulerBatchResultProcessor, "_resolve_spec_v2_tokens", runtime, make_resolve)
-    patch(Req, "update_spec_correct_drafts_histogram", runtime, make_histogram)
-    patch(Req, "update_finish_state", runtime, make_finish_state)
-    patch(SchedulerOutputStreamer, "stream_output", runtime, make_stream)
-    patch(SchedulerMetricsReporter, "update_spec_metrics", runtime, make_spec_metrics)
-    patch(GenerationBatchResult, "get_num_generated_tokens", runtime, make_generated)
+    return update_spec_correct_drafts_histogram
+
+
+def _finish_state_skipping_deferred(finish_state):
+    """No finish checks for a deferred row (no new token), unless an abort is pending."""
+    def update_finish_state(self, new_accepted_len=1):
+        if new_accepted_len == 0 and getattr(self, "vericache_deferred", False) and not self.to_finish:
+            return
+        finish_state(self, new_accepted_len)
+
+    return update_finish_state
+
+
+def _stream_without_deferred(stream):
+    """No empty stream chunk for a deferred row (a finished one still gets its last)."""
+    def stream_output(self, reqs, return_logprob, *args, **kwargs):
+        if any(getattr(req, "vericache_deferred", False) for req in reqs):
+            sent = []
+            for req in reqs:
+                if getattr(req, "vericache_deferred", False):
+                    req.vericache_deferred = False
+                    if not req.finished():
+                        continue
+                sent.append(req)
+            reqs = sent
+        return stream(self, reqs, return_logprob, *args, **kwargs)
+
+    return stream_output
 
 
 def install_keep_preempted_kv(runtime: Runtime) -> None:
