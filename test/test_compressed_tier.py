@@ -3,8 +3,8 @@ format ``mem_cache/entry_format.py``): every compressor's entry survives encode 
 for bit; a stored entry read back for another prefix, another compressor or with damaged
 bytes is refused; the tier's writer and reader threads, its pending-bytes cap and a failing
 store; and the compressed prefix cache spilling what it evicts (random sequences against a
-reference: ``test_prefix_spill.py``). The end-to-end path (SGLang's file backend, drafting from an entry read back) is in
-``test_fetch_drafting.py``."""
+reference: ``test_prefix_spill.py``). The end-to-end path (SGLang's file backend, drafting
+from an entry read back) is in ``test_fetch_drafting.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from sgl_vericache.mem_cache.compress import get_compressor
 from sgl_vericache.mem_cache.compress.registry import available_compressors
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
 from sgl_vericache.mem_cache import compressed_tier, entry_format
-from sgl_vericache.mem_cache.compressed_tier import CompressedTier, DictBlobStore, SpilledEntry, Throughput, worth_reading
+from sgl_vericache.mem_cache.compressed_tier import (CompressedTier, DictBlobStore, SpilledEntry, Throughput,
+                                                     worth_reading)
 from sgl_vericache.mem_cache.entry_format import (
     INDEX_RECORD_BYTES,
     MAGIC,

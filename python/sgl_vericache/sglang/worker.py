@@ -72,7 +72,8 @@ class WorkerSeam:
         self.num_layers = self.model_runner.model_config.num_hidden_layers
         self.context_len = self.model_runner.model_config.context_len  # positions verify may reach
         self.passes = forward.DraftPasses(self.model_runner, runtime, draft_weights)
-        self.windows = attention_layers.sliding_windows(self.model_runner.model)  # layer id -> window, window layers only
+        # layer id -> window, sliding-window layers only
+        self.windows = attention_layers.sliding_windows(self.model_runner.model)
         from sglang.srt.distributed.parallel_state import get_tp_group
 
         self.tp_group = get_tp_group()

@@ -6,8 +6,9 @@ Each decode iteration of a batch is one round per request:
    its own ``custom_params``, or, with ``--vericache-adaptive``, the controller's; the
    controller may also make the iteration plain decoding, and then none of what follows
    runs); a bad override aborts that request alone;
-2. **sync** (``spec/entry_sync.py``): each request's compressed entry is brought up to its verified length (a new
-   request starts from a cached compressed prefix when one matches and compresses the rest);
+2. **sync** (``spec/entry_sync.py``): each request's compressed entry is brought up to its
+   verified length (a new request starts from a cached compressed prefix when one matches
+   and compresses the rest);
 3. **stagger** (``--vericache-full-device-budget``): which rows verify this round; the
    others' full KV is parked in host memory and the verifying rows' parked KV starts
    streaming back layer by layer;
