@@ -7,7 +7,8 @@ request's first round.
 
 ``EntrySync`` is a mixin, the way SGLang splits its scheduler: its methods read the
 ``Speculator``'s state (``vc``, ``seam``, ``stats``, ``planner``, ``store``, ``prefix_cache``,
-``reqs``, ``queries``, ``parking``, ``tier``, ``weights_gen``), which ``Speculator.__init__`` sets."""
+``reqs``, ``queries``, ``parking``, ``tier``, ``_tier_pending``, ``weights_gen``), which
+``Speculator.__init__`` sets."""
 
 from __future__ import annotations
 
