@@ -15,7 +15,7 @@ from sgl_vericache.mem_cache.compress import (
     register_compressor,
 )
 from sgl_vericache.mem_cache.compress import registry
-from sgl_vericache.mem_cache.compress.drop import attention_mass
+from sgl_vericache.mem_cache.compress.drop import attention_mass, gather_tokens, kept_rows
 from sgl_vericache.mem_cache.compress.full import FullCompressor
 from sgl_vericache.mem_cache.compress.quant import pack_bits, unpack_bits
 
@@ -500,6 +500,47 @@ def test_h2o_append_updates_scores_and_evicts_the_lowest():
     # without queries the appended tokens score 0 and are the first to go once they age
     quiet = comp.append(layer, k[60:], v[60:])
     assert set(quiet.positions[:, 0].tolist()) >= {3, 10}
+
+
+def _sorted_kept_rows(rank, budget):
+    """What the scored droppers kept before kept_rows: a stable descending sort's first
+    ``budget`` rows of each column, re-sorted into row order."""
+    order = torch.sort(rank, dim=0, descending=True, stable=True).indices[:budget]
+    return torch.sort(order, dim=0).values
+
+
+@pytest.mark.parametrize("values", ["normal", "ties", "infinities", "zeros", "nan"])
+def test_kept_rows_are_the_sorts_rows(values):
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(300):
+        rows = 1 + int(torch.randint(0, 200, (1,), generator=gen))
+        heads = 1 + int(torch.randint(0, 5, (1,), generator=gen))
+        budget = 1 + int(torch.randint(0, rows, (1,), generator=gen))
+        rank = torch.randn(rows, heads, generator=gen)
+        if values == "ties":
+            rank = torch.randint(0, 3, (rows, heads), generator=gen).float()
+        elif values == "infinities":  # protected rows rank +inf; an overflowed score -inf
+            rank[torch.rand(rows, heads, generator=gen) < 0.3] = float("inf")
+            rank[torch.rand(rows, heads, generator=gen) < 0.2] = float("-inf")
+        elif values == "zeros":  # generated tokens score 0 (and -0.0 ties with it)
+            rank[torch.rand(rows, heads, generator=gen) < 0.4] = 0.0
+            rank[torch.rand(rows, heads, generator=gen) < 0.2] = -0.0
+        kept = kept_rows(rank, budget)
+        assert kept.shape == (budget, heads)
+        if values == "nan":  # ranked as +inf: kept before every finite row
+            rank[torch.rand(rows, heads, generator=gen) < 0.1] = float("nan")
+            kept = kept_rows(rank, budget)
+            rank = rank.nan_to_num(nan=float("inf"))
+        assert torch.equal(kept, _sorted_kept_rows(rank, budget)), (trial, rank, budget)
+
+
+def test_gather_tokens_reads_each_heads_rows():
+    x = torch.randn(50, 3, 4, 2)
+    index = torch.stack([torch.randperm(50)[:20].sort().values for _ in range(3)], 1)
+    expected = torch.stack([x[index[:, h], h] for h in range(3)], 1)
+    assert torch.equal(gather_tokens(x, index), expected)
+    assert torch.equal(gather_tokens(x[..., 0, 0], index), expected[..., 0, 0])
+    assert torch.equal(gather_tokens(x.transpose(2, 3), index), expected.transpose(2, 3))  # not contiguous
 
 
 # ---------------------------------------------------------------- Quest
