@@ -534,6 +534,24 @@ def test_kept_rows_are_the_sorts_rows(values):
         assert torch.equal(kept, _sorted_kept_rows(rank, budget)), (trial, rank, budget)
 
 
+@pytest.mark.parametrize("num_q,q_heads,kv_heads,num_keys", [(32, 9, 3, 300), (7, 4, 4, 50), (60, 4, 1, 60),
+                                                          (300, 6, 3, 400)])  # 300: two chunks of queries
+def test_attention_mass_is_each_keys_summed_attention(num_q, q_heads, kv_heads, num_keys):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(num_q, q_heads, 16, generator=gen)
+    k = torch.randn(num_keys, kv_heads, 16, generator=gen)
+    expected = torch.zeros(num_keys, kv_heads, dtype=torch.float64)
+    group = q_heads // kv_heads
+    for i in range(num_q):  # query i is token num_keys - num_q + i: it sees the keys up to itself
+        seen = num_keys - num_q + i + 1
+        for h in range(q_heads):
+            logits = (k[:seen, h // group].double() @ q[i, h].double()) * 0.25
+            expected[:seen, h // group] += torch.softmax(logits, 0)
+    mass = attention_mass(q, k, 0.25)
+    assert mass.shape == (num_keys, kv_heads) and mass.dtype == torch.float32
+    torch.testing.assert_close(mass.double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_gather_tokens_reads_each_heads_rows():
     x = torch.randn(50, 3, 4, 2)
     index = torch.stack([torch.randperm(50)[:20].sort().values for _ in range(3)], 1)

@@ -60,19 +60,24 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention each key receives, summed over queries and over the query heads sharing
     its KV head. q [W, H_q, D] are the queries of the LAST W keys (causal); k [N, H_kv, D].
-    Returns [N, H_kv] fp32."""
-    num_q, num_q_heads, _ = q.shape
+    Returns [N, H_kv] fp32. One product a KV head for its whole query group, against the
+    keys as they lie (a view): copying the keys out per query head and the logits into
+    einsum's order took 13x as long (SnapKV's 32 queries over 8k keys: 114 ms against 8.7)."""
+    num_q, num_q_heads, head_dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
-    kf = k.float().repeat_interleave(num_q_heads // num_kv_heads, dim=1)
-    mass = torch.zeros(num_q_heads, num_keys, dtype=torch.float32, device=k.device)
+    group = num_q_heads // num_kv_heads
+    keys = k.float().permute(1, 2, 0)  # [H_kv, D, N]
+    mass = torch.zeros(num_kv_heads, group, num_keys, dtype=torch.float32, device=k.device)
     cols = torch.arange(num_keys, device=k.device)
     for start in range(0, num_q, SCORE_CHUNK):
         qc = q[start : start + SCORE_CHUNK].float()
-        rows = torch.arange(start, start + qc.shape[0], device=k.device)
-        visible = cols[None, :] <= rows[:, None] + (num_keys - num_q)  # [Wc, N]
-        logits = torch.einsum("whd,nhd->hwn", qc, kf) * scale
-        mass += torch.softmax(logits.masked_fill(~visible, float("-inf")), -1).sum(1)
-    return mass.view(num_kv_heads, -1, num_keys).sum(1).T.contiguous()
+        n = qc.shape[0]
+        rows = torch.arange(start, start + n, device=k.device)
+        hidden = cols[None, :] > rows[:, None] + (num_keys - num_q)  # [Wc, N]: after the query
+        qg = qc.reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+        logits = torch.bmm(qg, keys).view(num_kv_heads, group, n, num_keys) * scale
+        mass += torch.softmax(logits.masked_fill_(hidden, float("-inf")), -1).sum(2)
+    return mass.sum(1).T.contiguous()
 
 
 class TokenDropper(KVCompressor):
