@@ -638,6 +638,30 @@ def test_append_equals_compress_for_query_agnostic_methods(name):
     assert all(torch.equal(a, b) for a, b in zip(whole.tensors(), pieces.tensors()))
 
 
+def test_streamingllm_appends_of_any_size_keep_what_compress_keeps():
+    """Appends short of the window (the one-copy path: sinks from the entry, the new rows
+    whole) and past it (the new rows cut), from empty and from a kept window."""
+    gen = torch.Generator().manual_seed(11)
+
+    def draw(n):
+        return int(torch.randint(0, n, (1,), generator=gen))
+
+    for _ in range(200):
+        sinks = draw(7)
+        comp = get_compressor("streamingllm", [1.5, 2.0, 4.0, 8.0][draw(4)], num_sinks=sinks,
+                              min_budget=sinks + draw(30))
+        total = 1 + draw(300)
+        k, v = make_kv(total)
+        start = draw(total + 1)
+        layer = comp.compress(k[:start], v[:start])
+        while start < total:
+            step = [1, 2, 8, 30, 200][draw(5)]
+            layer = comp.append(layer, k[start : start + step], v[start : start + step])
+            start += step
+        whole = comp.compress(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(whole.tensors(), layer.tensors())), comp.options
+
+
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "fp8"])
 def test_append_behaves_like_compress_for_stateful_methods(name):
     comp = get_compressor(name, 4)
