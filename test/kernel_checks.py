@@ -577,6 +577,14 @@ def _selected(cases: list[Case], only: list[str] | None, family: str | None) -> 
             and (not family or c.family == family)]
 
 
+def _line(text: str) -> None:
+    """Print one line in one write. ``--jobs`` shards share their caller's stdout, and with
+    PYTHONUNBUFFERED (set on these machines) print's text and newline are two writes that
+    another shard's line can land between: a glued line fails the caller's parse."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def run(device: str, only: list[str] | None = None, family: str | None = None, shard: tuple[int, int] = (0, 1),
         budget_s: float | None = None, summary: str | None = None) -> int:
     """Every selected case (of shard k of n: every n-th from the k-th), one line each; with
@@ -593,11 +601,11 @@ def run(device: str, only: list[str] | None = None, family: str | None = None, s
     for case in _selected(cases, only, family)[shard[0] :: shard[1]]:
         assert case.family in FAMILIES, case
         if interpreted and not case.interpret:
-            print(f"SKIP  {case.name} (compiled only: too large for the interpreter, or inline PTX)", flush=True)
+            _line(f"SKIP  {case.name} (compiled only: too large for the interpreter, or inline PTX)")
             continue
         if budget_s is not None and time.perf_counter() - start > budget_s:
             not_run += 1
-            print(f"NOT RUN  {case.name} (past the {budget_s:.0f} s budget)", flush=True)
+            _line(f"NOT RUN  {case.name} (past the {budget_s:.0f} s budget)")
             continue
         t0 = time.perf_counter()
         _no_fallback(quiet=True)  # a case that fell back and failed otherwise leaves its flag to the next
@@ -605,13 +613,13 @@ def run(device: str, only: list[str] | None = None, family: str | None = None, s
             err = case.run(dev)
             _no_fallback()
             passed += 1
-            print(f"ok    {case.name}: max abs error {err:.2e} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            _line(f"ok    {case.name}: max abs error {err:.2e} ({time.perf_counter() - t0:.1f} s)")
         except Exception as exc:  # report every case, then fail
             failures += 1
-            print(f"FAIL  {case.name}: {type(exc).__name__}: {exc}", flush=True)
+            _line(f"FAIL  {case.name}: {type(exc).__name__}: {exc}")
     line = (f"{passed} passed, {failures + not_run} failed, {time.perf_counter() - start:.1f} s, device {device}, "
             f"{'interpreter' if interpreted else 'compiled'}" + (f", {not_run} not run (budget)" if not_run else ""))
-    print(line, flush=True)
+    _line(line)
     if summary is not None:
         Path(summary).write_text(line + "\n")
     return 1 if failures or not_run or not passed else 0
@@ -687,9 +695,9 @@ def run_sharded(jobs: int, argv: list[str]) -> int:
             passed, failed = passed + int(summary.group(1)), failed + int(summary.group(2))
         else:
             failed += 1
-            print(f"FAIL  shard {k}/{jobs}: exit status {proc.returncode}, no summary", flush=True)
+            _line(f"FAIL  shard {k}/{jobs}: exit status {proc.returncode}, no summary")
     tmp.cleanup()
-    print(f"{passed} passed, {failed} failed, {time.perf_counter() - start:.1f} s, {jobs} processes")
+    _line(f"{passed} passed, {failed} failed, {time.perf_counter() - start:.1f} s, {jobs} processes")
     return 1 if failed or not passed else 0
 
 
