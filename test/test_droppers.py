@@ -101,6 +101,7 @@ def test_kept_rows_are_the_sorts_rows(values):
         elif values == "infinities":  # protected rows rank +inf; an overflowed score -inf
             rank[torch.rand(rows, heads, generator=gen) < 0.3] = float("inf")
             rank[torch.rand(rows, heads, generator=gen) < 0.2] = float("-inf")
+            rank[torch.rand(rows, heads, generator=gen) < 0.2] = torch.finfo(torch.float32).min  # not -inf's tie
         elif values == "zeros":  # generated tokens score 0 (and -0.0 ties with it)
             rank[torch.rand(rows, heads, generator=gen) < 0.4] = 0.0
             rank[torch.rand(rows, heads, generator=gen) < 0.2] = -0.0

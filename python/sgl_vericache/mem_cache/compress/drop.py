@@ -253,7 +253,7 @@ def kept_rows(rank: torch.Tensor, budget: int) -> torch.Tensor:
     drop = rows - budget
     if drop <= 0:
         return torch.arange(rows, device=rank.device)[:, None].expand(rows, cols)
-    rank = rank.nan_to_num(nan=float("inf"), posinf=float("inf"))
+    rank = rank.masked_fill(rank.isnan(), float("inf"))  # (nan_to_num would also make +-inf finite)
     edge = rank.kthvalue(drop, dim=0, keepdim=True).values  # [1, H]: the highest rank dropped
     below = rank < edge  # all dropped; of the rows at the edge, the latest go
     tied = rank == edge
