@@ -38,7 +38,7 @@ from sgl_vericache.kernels.codes import _kivi4_words_f16  # noqa: E402
 from sgl_vericache.kernels.packing import pack, paged_pool  # noqa: E402
 from sgl_vericache.mem_cache.compress import causal_attention, get_compressor  # noqa: E402
 
-from kernel_fixtures import KIVI, SMALL, TOL, Case, Shape, _close, _gen, _kv  # noqa: E402,F401
+from kernel_fixtures import KIVI, SMALL, TOL, Case, Shape, _close, _gen, _kv, _line, run_sharded  # noqa: E402,F401
 from kernel_store_checks import (check_mixed_packing, check_recording_sees_the_keys_running_does,  # noqa: E402
                                  check_store_rounds, check_warm_up, check_window_rounds,
                                  check_window_warm_up)
@@ -577,14 +577,6 @@ def _selected(cases: list[Case], only: list[str] | None, family: str | None) -> 
             and (not family or c.family == family)]
 
 
-def _line(text: str) -> None:
-    """Print one line in one write. ``--jobs`` shards share their caller's stdout, and with
-    PYTHONUNBUFFERED (set on these machines) print's text and newline are two writes that
-    another shard's line can land between: a glued line fails the caller's parse."""
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-
-
 def run(device: str, only: list[str] | None = None, family: str | None = None, shard: tuple[int, int] = (0, 1),
         budget_s: float | None = None, summary: str | None = None) -> int:
     """Every selected case (of shard k of n: every n-th from the k-th), one line each; with
@@ -660,45 +652,9 @@ def main() -> None:
     if args.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.jobs > 1:
-        sys.exit(run_sharded(args.jobs, sys.argv[1:]))
+        sys.exit(run_sharded(__file__, args.jobs, sys.argv[1:]))
     shard = tuple(int(x) for x in args.shard.split("/")) if args.shard else (0, 1)
     sys.exit(run(args.device, args.only, args.family, shard, args.budget_s, args.summary))
-
-
-def run_sharded(jobs: int, argv: list[str]) -> int:
-    """This script in ``jobs`` processes at once, each every jobs-th case, each printing its
-    lines as its cases end (a run its caller's time limit cuts keeps every line printed so
-    far), then one summary of their counts. A process that dies counts as a failure."""
-    import re
-    import subprocess
-    import tempfile
-
-    rest, skip = [], False
-    for arg in argv:  # this call's arguments without --jobs
-        if skip:
-            skip = False
-        elif arg == "--jobs":
-            skip = True
-        elif not arg.startswith("--jobs="):
-            rest.append(arg)
-    start = time.perf_counter()
-    sys.stdout.flush()
-    tmp = tempfile.TemporaryDirectory()
-    files = [Path(tmp.name) / f"shard{k}" for k in range(jobs)]
-    procs = [subprocess.Popen([sys.executable, __file__, *rest, "--shard", f"{k}/{jobs}", "--summary", str(f)])
-             for k, f in enumerate(files)]  # their output goes straight to ours, a line at a time
-    passed = failed = 0
-    for k, (proc, f) in enumerate(zip(procs, files)):
-        proc.wait()
-        summary = re.match(r"(\d+) passed, (\d+) failed", f.read_text()) if f.exists() else None
-        if summary and proc.returncode in (0, 1):
-            passed, failed = passed + int(summary.group(1)), failed + int(summary.group(2))
-        else:
-            failed += 1
-            _line(f"FAIL  shard {k}/{jobs}: exit status {proc.returncode}, no summary")
-    tmp.cleanup()
-    _line(f"{passed} passed, {failed} failed, {time.perf_counter() - start:.1f} s, {jobs} processes")
-    return 1 if failed or not passed else 0
 
 
 if __name__ == "__main__":
