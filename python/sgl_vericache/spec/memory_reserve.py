@@ -10,7 +10,8 @@ unreserved, a full pool meets them as an out-of-memory error mid-round (which
 The running requests' full KV is at most the pool's, so with ``P`` bytes of pool, entries
 take at most about ``e * P`` and the dense buffers ``d * P``, where ``e`` is the compressor's
 bytes per full-KV byte (at a ``REFERENCE_TOKENS``-token request: a quantizer's
-full-precision residual window weighs more in a short one) and ``d`` the share of its rows
+full-precision residual window weighs more in a short one; with the spare rows that an
+entry growing in place holds, a sixteenth more) and ``d`` the share of its rows
 a dense buffer holds (``plan.draft_kv_fraction``). A budget ``B`` is then split as
 ``B = prefix cache + P * (1 + e + d)``.
 
@@ -29,6 +30,7 @@ from typing import Sequence
 import torch
 
 from sgl_vericache.mem_cache.compress import KVCompressor, full_nbytes
+from sgl_vericache.mem_cache.compress.rows import spare_rows
 from sgl_vericache.spec.plan import draft_kv_fraction
 
 REFERENCE_TOKENS = 4096  # the request length entries are sized at (see the module's docstring)
@@ -67,9 +69,11 @@ class DraftMemoryPlan:
 
 
 def entry_fraction(compressor: KVCompressor, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> float:
-    """Compressed entry bytes per full-KV byte of a ``REFERENCE_TOKENS``-token request."""
+    """Compressed entry bytes per full-KV byte of a ``REFERENCE_TOKENS``-token request,
+    with the spare rows of a method whose entries grow in place (``mem_cache.compress.rows``)."""
     full = full_nbytes(REFERENCE_TOKENS, num_kv_heads, head_dim, dtype)
-    return compressor.nbytes_for(REFERENCE_TOKENS, num_kv_heads, head_dim, dtype) / full
+    held = REFERENCE_TOKENS + (spare_rows(REFERENCE_TOKENS) if compressor.grows_in_place else 0)
+    return compressor.nbytes_for(held, num_kv_heads, head_dim, dtype) / full
 
 
 def plan_draft_memory(budget_bytes: int, compressors: Sequence[KVCompressor], num_kv_heads: int, head_dim: int,

@@ -4,6 +4,8 @@ A compressor turns one request's full KV for one layer into a `CompressedLayer`,
 grows that entry as verified decode tokens arrive, and answers the draft attention
 over it. Entries are values: `compress` and `append` return new objects and never
 modify their inputs, so a caller may keep an old entry (e.g. across a rejected draft).
+An append may write into spare rows past the end of the old entry's tensors, which no
+tensor it holds can see (`rows.py`), so the old entry still reads exactly what it did.
 
 Shapes (one layer, one request):
     k, v        [T, H_kv, D]   post-RoPE keys and values, as SGLang's KV pool stores them
@@ -204,6 +206,9 @@ class KVCompressor(ABC):
     option_specs: ClassVar[tuple[OptionSpec, ...]] = ()
     uses_ratio: ClassVar[bool] = False  # False: the method fixes its own ratio (quantizers)
     default_ratio: ClassVar[float | None] = None  # used when the config gives none
+    # append() grows the entry's tensors in their spare rows (rows.py): an entry of T tokens
+    # may hold up to rows.spare_rows(T) rows more than nbytes() counts
+    grows_in_place: ClassVar[bool] = False
 
     def __init__(self, config: CompressorConfig):
         self.config = config

@@ -8,6 +8,7 @@ import torch
 
 from .base import CompressedLayer, KVCompressor, check_append, check_kv, full_nbytes
 from .registry import register_compressor
+from .rows import append_rows
 
 
 @dataclass
@@ -25,15 +26,16 @@ class FullCompressor(KVCompressor):
     kernels), which makes it the reference other methods are measured against."""
 
     name = "full"
+    grows_in_place = True
 
     def compress(self, k, v, queries=None):
         check_kv(k, v)
-        return DenseLayer(k.shape[0], k.shape[1], k.shape[2], k.dtype, k.clone(), v.clone())
+        return DenseLayer(k.shape[0], k.shape[1], k.shape[2], k.dtype, append_rows(k[:0], k), append_rows(v[:0], v))
 
     def append(self, layer, k, v, queries=None):
         check_append(layer, k, v)
         return DenseLayer(layer.num_tokens + k.shape[0], layer.num_kv_heads, layer.head_dim, layer.dtype,
-                          torch.cat([layer.k, k]), torch.cat([layer.v, v]))
+                          append_rows(layer.k, k), append_rows(layer.v, v))
 
     def materialize(self, layer):
         positions = torch.arange(layer.num_tokens, device=layer.k.device)[:, None]

@@ -13,6 +13,7 @@ import torch
 
 from .base import CompressedLayer, KVCompressor, OptionSpec, check_append, check_kv
 from .registry import register_compressor
+from .rows import append_rows
 
 META_DTYPE = torch.float16  # scales and zero points
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -107,6 +108,7 @@ class KiviCompressor(KVCompressor):
     """
 
     bits: int
+    grows_in_place = True  # the quantized groups; the full-precision window is small
     option_specs = (
         OptionSpec("group_size", 32, "tokens per key group and channels per value group", 1, 4096),
         OptionSpec("residual_length", 128, "recent tokens kept in full precision (at least)", 0, 1 << 20),
@@ -151,7 +153,7 @@ class KiviCompressor(KVCompressor):
         merged = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
         if flush:  # otherwise the quantized tensors are shared: entries are never modified
             new = self._quantize(k_recent[:flush], v_recent[:flush])
-            merged = [b if not a.shape[0] else torch.cat([a, b]) for a, b in zip(merged, new)]
+            merged = [b if not a.shape[0] else append_rows(a, b) for a, b in zip(merged, new)]
         return KiviLayer(num_tokens, layer.num_kv_heads, layer.head_dim, layer.dtype, *merged,
                          k_recent[flush:].clone(), v_recent[flush:].clone())
 
@@ -247,6 +249,7 @@ class Int8Compressor(KVCompressor):
     """Symmetric int8 with one fp16 scale per token and head (~1.9x vs fp16, ~3.9x vs fp32)."""
 
     name = "int8"
+    grows_in_place = True
 
     def compress(self, k, v, queries=None):
         check_kv(k, v)
@@ -260,7 +263,7 @@ class Int8Compressor(KVCompressor):
 
     def append(self, layer, k, v, queries=None):
         check_append(layer, k, v)
-        merged = [torch.cat([a, b]) for a, b in zip(layer.tensors(), self._codes(k, v))]
+        merged = [append_rows(a, b) for a, b in zip(layer.tensors(), self._codes(k, v))]
         return Int8Layer(layer.num_tokens + k.shape[0], layer.num_kv_heads, layer.head_dim, layer.dtype, *merged)
 
     def materialize(self, layer):
@@ -301,6 +304,7 @@ class Fp8Compressor(KVCompressor):
     scale="token": one scale per token and head, never saturates (~1.88x vs fp16)."""
 
     name = "fp8"
+    grows_in_place = True
     option_specs = (OptionSpec("scale", "head", "scale granularity", choices=("head", "token")),)
 
     def compress(self, k, v, queries=None):
@@ -315,8 +319,8 @@ class Fp8Compressor(KVCompressor):
         check_append(layer, k, v)
         k_scale, k_new_scale = self._scales(layer.k_scale, k)
         v_scale, v_new_scale = self._scales(layer.v_scale, v)
-        k_codes = torch.cat([layer.k_codes, _to_fp8(k, k_new_scale)])
-        v_codes = torch.cat([layer.v_codes, _to_fp8(v, v_new_scale)])
+        k_codes = append_rows(layer.k_codes, _to_fp8(k, k_new_scale))
+        v_codes = append_rows(layer.v_codes, _to_fp8(v, v_new_scale))
         return Fp8Layer(layer.num_tokens + k.shape[0], layer.num_kv_heads, layer.head_dim, layer.dtype,
                         k_codes, v_codes, k_scale, v_scale)
 
@@ -325,7 +329,7 @@ class Fp8Compressor(KVCompressor):
         absmax = x.float().abs().amax(-1, keepdim=True)  # [n, H, 1]
         if self.options["scale"] == "token":
             new = (absmax / FP8_MAX).clamp_min(1e-12)
-            return torch.cat([stored, new]), new
+            return append_rows(stored, new), new
         if stored.shape[0] > 0 or x.shape[0] == 0:
             return stored, stored
         new = (absmax.amax(0) / FP8_MAX).clamp_min(1e-12)  # [H, 1]

@@ -25,6 +25,7 @@ import torch
 
 from .base import CompressedLayer, KVCompressor, OptionSpec, check_append, check_kv
 from .registry import register_compressor
+from .rows import append_rows
 
 
 @dataclass
@@ -55,6 +56,7 @@ def page_bounds(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Te
 @register_compressor("quest")
 class QuestCompressor(KVCompressor):
     name = "quest"
+    grows_in_place = True
     uses_ratio = True
     default_ratio = 4.0
     option_specs = (
@@ -80,12 +82,16 @@ class QuestCompressor(KVCompressor):
 
     def append(self, layer, k, v, queries=None):
         check_append(layer, k, v)
-        keys = torch.cat([layer.k, k])
+        keys = append_rows(layer.k, k)
         first_page = layer.num_tokens // self.options["page_size"]  # the page the new tokens start in
         low, high = page_bounds(keys[first_page * self.options["page_size"] :], self.options["page_size"])
+        if first_page == layer.page_min.shape[0]:  # the last page was full: pages are only added
+            page_min, page_max = append_rows(layer.page_min, low), append_rows(layer.page_max, high)
+        else:  # the last page's bounds change: a new tensor (entries are values)
+            page_min = torch.cat([layer.page_min[:first_page], low])
+            page_max = torch.cat([layer.page_max[:first_page], high])
         return QuestLayer(keys.shape[0], layer.num_kv_heads, layer.head_dim, layer.dtype, keys,
-                          torch.cat([layer.v, v]), torch.cat([layer.page_min[:first_page], low]),
-                          torch.cat([layer.page_max[:first_page], high]))
+                          append_rows(layer.v, v), page_min, page_max)
 
     def materialize(self, layer):
         positions = torch.arange(layer.num_tokens, device=layer.k.device)[:, None]
