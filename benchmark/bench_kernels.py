@@ -465,8 +465,10 @@ def bench_pack(timer, device, gen, method: str, shape_name: str, context: int, b
     work; and one draft step's kernel over each (a CUDA graph, L2 flushed), which should be
     the same. ``copy_share_of_round``: the copy against ``steps`` draft steps of that layer.
     ``append_ms``: the round's end, each entry's ``append`` of ``accepted`` verified tokens
-    (entries are values: int8 / fp8 copy the whole entry, the droppers reselect, KIVI
-    quantizes only a full group), wall time for the batch's entries of that layer."""
+    to the entry the last append returned (int8 / fp8 / KIVI's groups grow in place, the
+    droppers reselect, KIVI quantizes only a full group), wall time for the batch's entries of
+    that layer; ``append_copy_ms`` the same from entries already grown past, which copies
+    every row (what every append did before entries grew in place)."""
     from sgl_vericache.kernels.packing import pack
 
     hq, hkv, d = SHAPES[shape_name]
@@ -504,7 +506,15 @@ def bench_pack(timer, device, gen, method: str, shape_name: str, context: int, b
         out[f"{way}_share_of_round"] = packing_ms / (packing_ms + steps * out[draft])
     k_new, v_new = (_rand((accepted, hkv, d), torch.bfloat16, device, gen) for _ in range(2))
     out["accepted"] = accepted
-    out["append_ms"] = wall(lambda: [comp.append(layer, k_new, v_new) for layer in layers])
+    grown = list(layers)
+
+    def grow():  # each request's entry takes the round's tokens, as the store's sync does
+        grown[:] = [comp.append(layer, k_new, v_new) for layer in grown]
+
+    out["append_ms"] = wall(grow)
+    # from entries that others have already grown past (the originals, now): every row copied,
+    # as every append did before entries grew in place (mem_cache/compress/rows.py)
+    out["append_copy_ms"] = wall(lambda: [comp.append(layer, k_new, v_new) for layer in layers])
     out["append_share_of_round"] = out["append_ms"] / (out["append_ms"] + steps * out["draft_in_place_ms"])
     return out
 
@@ -689,7 +699,8 @@ def _bench_packs(args, timer, device, gen, configs, started, result) -> list[dic
                   f"({100 * row['copy_share_of_round']:.1f}% of a 30-step round), in place "
                   f"{row['pack_in_place_ms']:.2f} ms; draft step {row['draft_copied_ms']:.3f} ms copied, "
                   f"{row['draft_in_place_ms']:.3f} ms in place; append of {row['accepted']} tokens "
-                  f"{row['append_ms']:.2f} ms ({100 * row['append_share_of_round']:.1f}% of the round)", flush=True)
+                  f"{row['append_ms']:.2f} ms ({100 * row['append_share_of_round']:.1f}% of the round; "
+                  f"{row['append_copy_ms']:.2f} ms copying every row)", flush=True)
         except Exception as exc:  # noqa: BLE001
             row = {"method": method, "shape": shape_name, "error": f"{type(exc).__name__}: {exc}"[:300]}
         rows.append(row)

@@ -278,6 +278,7 @@ def test_bench_kernels_smoke_runs_in_the_interpreter(tmp_path):
     for r in packs.values():
         assert r["entry_bytes"] > 0 and 0 < r["copy_share_of_round"] < 1 and 0 < r["in_place_share_of_round"] < 1
         assert r["accepted"] == 4 and r["append_ms"] > 0 and 0 < r["append_share_of_round"] < 1
+        assert r["append_copy_ms"] > 0
     # the verify kernel's launch search: the default and 64 query rows a program, the same output
     search = result["verify_tuning"]
     assert [(r["max_query_rows"], r["tokens"]) for r in search] == [(128, 17), (64, 17)], search
