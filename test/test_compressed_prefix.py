@@ -4,6 +4,8 @@ evict sequences against a reference model (a dict of token tuples with LRU ticks
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -112,23 +114,32 @@ def test_bad_inputs_are_refused_and_change_nothing():
     assert cache.nbytes == 0 and not cache.root.children
 
 
-@pytest.mark.parametrize("name", ["streamingllm", "snapkv", "kivi4", "int8", "quest"])
+@pytest.mark.parametrize("name", ["streamingllm", "snapkv", "kivi4", "int8", "fp8", "quest", "full"])
 def test_a_shared_entry_grows_by_append_without_changing_for_its_other_holders(name):
     """What the drafter does with a hit: append the request's own tokens to the shared
-    entry. The shared entry (and what the cache returns next) is unchanged."""
+    entry. The shared entry (and what the cache returns next) is unchanged, and two
+    requests extending it with different tokens each get what appending to a copy of it
+    gives (the first grows it in its spare rows, rows.py; the second copies)."""
     torch.manual_seed(0)
     comp = get_compressor(name, 4.0)
     k, v = torch.randn(96, 2, 8), torch.randn(96, 2, 8)
+    k2, v2 = torch.randn(8, 2, 8), torch.randn(8, 2, 8)
     q = torch.randn(8, 4, 8)
     base = comp.compress(k[:64], v[:64], q if comp.needs_queries else None)
     before = [t.clone() for t in base.tensors()]
+    plain = type(base)(**{f.name: (lambda x: x.clone() if isinstance(x, torch.Tensor) else x)(getattr(base, f.name))
+                          for f in dataclasses.fields(base)})
     cache = CompressedPrefixCache(1 << 30)
     tokens = tuple(range(64))
     assert cache.insert(tokens, comp, [base])
     n, (hit,) = cache.match(tokens + (5, 6), comp)
     assert n == 64 and hit is base
-    grown = comp.append(hit, k[64:], v[64:])
-    assert grown.num_tokens == 96
+    grown = comp.append(hit, k[64:72], v[64:72])  # fits the spare rows
+    other = comp.append(cache.match(tokens, comp)[1][0], k2, v2)
+    assert grown.num_tokens == 72 and other.num_tokens == 72
+    for got, (kk, vv) in ((grown, (k[64:72], v[64:72])), (other, (k2, v2))):
+        want = comp.append(plain, kk, vv)
+        assert all(torch.equal(a, b) for a, b in zip(got.tensors(), want.tensors())), name
     assert all(torch.equal(a, b) for a, b in zip(before, base.tensors()))
     assert cache.match(tokens, comp)[1][0] is base
     assert cache.match(tokens, get_compressor(name, 4.0)) == (0, None)  # entries are per compressor object
