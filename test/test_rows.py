@@ -115,25 +115,32 @@ GROWING = [n for n in available_compressors() if get_compressor(n).grows_in_plac
 
 
 def test_the_methods_that_grow_in_place():
-    assert sorted(GROWING) == ["fp8", "full", "int8", "kivi2", "kivi4", "quest"], GROWING
+    assert sorted(GROWING) == ["fp8", "full", "h2o", "int8", "kivi2", "kivi4", "quest", "snapkv"], GROWING
 
 
 @pytest.mark.parametrize("name", GROWING)
 def test_entries_stay_values_when_grown_in_place_and_branched(name):
-    """A chain of appends grows the entry's tensors in place; an entry appended to twice
-    (a kept old entry, a prefix shared by two requests) gives two entries that each equal
-    what appending with copies gives, and every earlier entry materializes as it did."""
+    """A chain of appends grows the entry's tensors in place (the droppers: joins the new
+    tokens to the kept ones there before choosing); an entry appended to twice (a kept old
+    entry, a prefix shared by two requests) gives two entries that each equal what
+    appending with copies gives, and every earlier entry materializes as it did."""
     comp = get_compressor(name, group_size=8, residual_length=16) if name.startswith("kivi") else get_compressor(name)
     gen = torch.Generator().manual_seed(5)
     kv = lambda n: (torch.randn(n, 2, 16, generator=gen), torch.randn(n, 2, 16, generator=gen))  # noqa: E731
-    entry = comp.compress(*kv(60))
+    queries = torch.randn(8, 4, 16, generator=gen) if comp.needs_queries else None
+    entry = comp.compress(*kv(60), queries)
     history = [(entry, [t.clone() for t in comp.materialize(entry)[:2]])]
     in_place = 0
     for step in range(40):
         k, v = kv(int(torch.randint(1, 7, (), generator=gen)))
+        before = entry.tensors()[0]
+        frontier = buffer_of(before).frontier if buffer_of(before) is not None else None
         grown = comp.append(entry, k, v)
         main = grown.tensors()[0]
-        in_place += main.data_ptr() == entry.tensors()[0].data_ptr() and main.shape[0] > entry.tensors()[0].shape[0]
+        in_place += main.data_ptr() == before.data_ptr() and main.shape[0] > before.shape[0]
+        # a dropper's join: the new rows went into the old entry's spare rows
+        in_place += frontier == before.shape[0] and buffer_of(before).frontier == before.shape[0] + k.shape[0] \
+            and main.data_ptr() != before.data_ptr()
         if step % 5 == 4:  # a branch from an entry two steps back
             old, _ = history[-3]
             branch = comp.append(old, k, v)

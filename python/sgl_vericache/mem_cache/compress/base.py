@@ -206,8 +206,8 @@ class KVCompressor(ABC):
     option_specs: ClassVar[tuple[OptionSpec, ...]] = ()
     uses_ratio: ClassVar[bool] = False  # False: the method fixes its own ratio (quantizers)
     default_ratio: ClassVar[float | None] = None  # used when the config gives none
-    # append() grows the entry's tensors in their spare rows (rows.py): an entry of T tokens
-    # may hold up to rows.spare_rows(T) rows more than nbytes() counts
+    # the entry's tensors keep spare rows after their end, where append() writes new tokens
+    # (rows.py): an entry of N rows may hold up to rows.spare_rows(N) more than nbytes() counts
     grows_in_place: ClassVar[bool] = False
 
     def __init__(self, config: CompressorConfig):

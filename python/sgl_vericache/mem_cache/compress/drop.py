@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .base import CompressedLayer, KVCompressor, OptionSpec, check_append, check_kv
 from .registry import register_compressor
+from .rows import append_rows, empty_rows
 
 MIN_BUDGET = OptionSpec("min_budget", 16, "contexts up to this many tokens are kept whole", 0, 1 << 30)
 SCORE_CHUNK = 256  # queries scored at a time, to bound the [H_q, W, T] probability tensor
@@ -46,15 +47,22 @@ class KeptTokensLayer(CompressedLayer):
             assert int(self.positions.max()) < self.num_tokens
 
 
-def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_tokens(x: torch.Tensor, index: torch.Tensor, spare: bool = False) -> torch.Tensor:
     """x [T, H, ...], index [N, H] -> [N, H, ...]: a different token set per head. Keys and
     values are read as T * H rows of D: one row copy each (a gather over an expanded index
-    took 13x as long, most of a scored dropper's append)."""
+    took 13x as long, most of a scored dropper's append). ``spare``: the result has spare
+    rows after it (``rows.empty_rows``), so that the next append joins the new tokens to it
+    in place."""
     if x.dim() == 2:
         return x.gather(0, index)
     heads = x.shape[1]
     rows = (index.long() * heads + torch.arange(heads, device=index.device)).reshape(-1)
-    return x.reshape(x.shape[0] * heads, *x.shape[2:]).index_select(0, rows).view(*index.shape, *x.shape[2:])
+    flat = x.reshape(x.shape[0] * heads, *x.shape[2:])
+    if not spare:
+        return flat.index_select(0, rows).view(*index.shape, *x.shape[2:])
+    out = empty_rows(x, index.shape[0])
+    torch.index_select(flat, 0, rows, out=out.view(rows.shape[0], *x.shape[2:]))
+    return out
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -198,6 +206,7 @@ class ScoredDropper(TokenDropper):
 
     needs_queries = True
     scored = True
+    grows_in_place = True  # the kept rows carry spare rows, where the next append joins its tokens
 
     def recent_len(self, budget: int) -> int:
         raise NotImplementedError
@@ -218,7 +227,9 @@ class ScoredDropper(TokenDropper):
 
     def append(self, layer, k, v, queries=None):
         check_append(layer, k, v)
-        keys = torch.cat([layer.k, k])
+        # joined in the old entry's spare rows (rows.py): what _select gathers from, with no
+        # copy of the whole entry first (the gather is the one copy an append makes)
+        keys = append_rows(layer.k, k)
         new_scores = torch.zeros(k.shape[0], layer.num_kv_heads, device=k.device)
         scores = torch.cat([layer.scores, new_scores])
         if queries is not None and k.shape[0]:
@@ -226,7 +237,7 @@ class ScoredDropper(TokenDropper):
             scores = scores + attention_mass(queries, keys, 1.0 / math.sqrt(layer.head_dim))
         new_pos = self._new_positions(layer.num_tokens, k.shape[0], layer.num_kv_heads, k.device)
         positions = torch.cat([layer.positions, new_pos])
-        return self._select(layer.num_tokens + k.shape[0], keys, torch.cat([layer.v, v]), positions, scores)
+        return self._select(layer.num_tokens + k.shape[0], keys, append_rows(layer.v, v), positions, scores)
 
     def _select(self, num_tokens, k, v, positions, scores) -> KeptTokensLayer:
         """Evict per head down to budget(num_tokens): recent window first, then by score
@@ -235,7 +246,7 @@ class ScoredDropper(TokenDropper):
         if k.shape[0] > budget:
             protected = positions >= num_tokens - self.recent_len(budget)
             index = kept_rows(scores.masked_fill(protected, float("inf")), budget)
-            k, v = gather_tokens(k, index), gather_tokens(v, index)
+            k, v = gather_tokens(k, index, spare=True), gather_tokens(v, index, spare=True)
             positions, scores = positions.gather(0, index), scores.gather(0, index)
         return KeptTokensLayer(num_tokens, k.shape[1], k.shape[2], k.dtype, k.contiguous(), v.contiguous(),
                                positions.contiguous(), scores.contiguous())

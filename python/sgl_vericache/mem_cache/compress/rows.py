@@ -92,11 +92,18 @@ def append_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     if buf is not None and buf.claim(old, added):
         buf.data[n:n + added].copy_(new)
         return buf.view(n + added)
-    total = n + added
-    data = old.new_empty((total + spare_rows(total), *old.shape[1:]))
-    data[:n].copy_(old)
-    data[n:total].copy_(new)
-    return RowBuffer(data, total).view(total)
+    out = empty_rows(old, n + added)
+    out[:n].copy_(old)
+    out[n:].copy_(new)
+    return out
+
+
+def empty_rows(like: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """An uninitialized ``[num_rows, *like.shape[1:]]`` tensor of ``like``'s dtype and device,
+    with spare rows after it: its maker fills it before anyone else sees it, and an append
+    to it then grows in place."""
+    data = like.new_empty((num_rows + spare_rows(num_rows), *like.shape[1:]))
+    return RowBuffer(data, num_rows).view(num_rows)
 
 
 def held_nbytes(tensors) -> int:
