@@ -9,8 +9,9 @@ Two ways per compressor and context, interleaved rep by rep so both see the same
             spare rows (the copy made outside the timer): every row is copied into a new
             buffer, which is what every append did before entries grew in place (and what
             an entry that another request has already grown past costs)
-The droppers re-choose their kept tokens at every append, so for them both ways are the
-same work. Times are means over ``--reps`` (the amortized cost, KIVI's group flushes and the
+SnapKV and H2O re-choose their kept tokens at every append, a copy of the kept rows either
+way (the copy arm adds the join of the new tokens that in place writes into spare rows);
+StreamingLLM's one copy is the same either way. Times are means over ``--reps`` (the amortized cost, KIVI's group flushes and the
 spare rows' reallocations included), with the median and the range beside them; one layer,
 SmolLM2-135M's shape by default (3 KV heads of 64, fp32). The copy arm's entry was just
 copied, so it starts warmer in the caches: at short contexts that favours it.
