@@ -161,3 +161,25 @@ def _copied(comp, layer):
 
     fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
     return type(layer)(**{n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in fields.items()})
+
+
+@pytest.mark.parametrize("name", GROWING)
+def test_random_branching_appends_match_appends_to_copies(name):
+    """Entries appended to in a random order, each from any earlier entry (requests sharing
+    cached prefixes, old entries kept and extended again), against the same appends made to
+    copies with no spare rows: every entry's tensors equal at the end, when all are alive."""
+    comp = get_compressor(name, group_size=4, residual_length=8) if name.startswith("kivi") else get_compressor(name)
+    gen = torch.Generator().manual_seed(6)
+    queries = torch.randn(8, 4, 16, generator=gen) if comp.needs_queries else None
+    first = comp.compress(torch.randn(40, 2, 16, generator=gen), torch.randn(40, 2, 16, generator=gen), queries)
+    grown, copied = [first], [_copied(comp, first)]
+    for _ in range(150):
+        parent = int(torch.randint(0, len(grown), (), generator=gen)) if torch.rand((), generator=gen) < 0.3 \
+            else len(grown) - 1 - int(torch.randint(0, min(3, len(grown)), (), generator=gen))
+        n = int(torch.randint(1, 12, (), generator=gen))
+        k, v = torch.randn(n, 2, 16, generator=gen), torch.randn(n, 2, 16, generator=gen)
+        grown.append(comp.append(grown[parent], k, v))
+        copied.append(comp.append(_copied(comp, copied[parent]), k, v))
+    for i, (a, b) in enumerate(zip(grown, copied)):
+        assert a.num_tokens == b.num_tokens
+        assert all(x.equal(y) for x, y in zip(a.tensors(), b.tensors())), (name, i)
