@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from sgl_vericache.mem_cache.compress import get_compressor
 from sgl_vericache.mem_cache.compress.base import CompressedLayer
+from sgl_vericache.mem_cache.compress.rows import buffer_of
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
 
 LAYERS = 2
@@ -143,3 +144,16 @@ def test_a_shared_entry_grows_by_append_without_changing_for_its_other_holders(n
     assert all(torch.equal(a, b) for a, b in zip(before, base.tensors()))
     assert cache.match(tokens, comp)[1][0] is base
     assert cache.match(tokens, get_compressor(name, 4.0)) == (0, None)  # entries are per compressor object
+
+
+def test_an_entry_counts_the_spare_rows_it_keeps_alive():
+    """Entries that grow in place hold spare rows past their end (compress/rows.py): the
+    cache's budget counts them, each buffer once, so its bytes are what it keeps alive."""
+    torch.manual_seed(0)
+    comp = get_compressor("int8")
+    layer = comp.compress(torch.randn(320, 2, 8), torch.randn(320, 2, 8))
+    cache = CompressedPrefixCache(1 << 30)
+    assert cache.insert(tuple(range(320)), comp, [layer, layer])  # one buffer a tensor, counted once
+    held = sum(buffer_of(t).data.numel() * buffer_of(t).data.element_size() for t in layer.tensors())
+    assert cache.nbytes == held == layer.nbytes() * (320 + 20) // 320  # 320 rows and 320 / 16 spare
+    cache.check_integrity()

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
 from sgl_vericache.mem_cache.compress import CompressedLayer
+from sgl_vericache.mem_cache.compress.rows import held_nbytes
 
 
 @dataclass(eq=False)
@@ -58,7 +59,9 @@ class _Node:
 
 
 def entry_nbytes(layers: Sequence[CompressedLayer]) -> int:
-    return sum(layer.nbytes() for layer in layers)
+    """What an entry keeps alive: its tensors' bytes, spare rows included (a tensor that
+    grows in place holds its whole buffer, ``compress.rows``), each buffer once."""
+    return held_nbytes(t for layer in layers for t in layer.tensors())
 
 
 class CompressedPrefixCache:
