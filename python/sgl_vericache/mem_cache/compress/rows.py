@@ -3,8 +3,9 @@
 Entries are values: ``append`` returns a new entry and the old one stays valid (a drafter
 keeps it across a round, the compressed prefix cache hands it to any number of requests).
 Done with ``torch.cat``, that copies a request's whole entry at the end of every round: a
-32k-token layer of SmolLM2 took 8.4 ms a layer for ``full`` on this CPU, and on a GPU the
-copy reads and writes the whole entry again each round, O(T) per round for O(1) new rows.
+32k-token layer of SmolLM2 took 13-15 ms a layer for ``full`` on this CPU (0.1 ms in place:
+``benchmark/bench_append.py``), and on a GPU the copy reads and writes the whole entry again
+each round, O(T) per round for O(1) new rows.
 
 ``append_rows(old, new)`` returns what ``torch.cat([old, new])`` would. A tensor it
 returns is the leading rows of a larger buffer (``RowBuffer``) and carries that buffer as
@@ -21,7 +22,8 @@ whatever the context length, against T rows copied at every round before. The sp
 are memory that ``CompressedLayer.nbytes()`` does not count: at most a sixteenth of an
 entry's rows plus 16, for a tensor this module returned and for any entry holding one of
 its views (a view is never shorter than its buffer's first one). ``spec.memory_reserve``
-adds that sixteenth to what it keeps for entries.
+adds that sixteenth to what it keeps for entries, and the compressed prefix cache counts an
+entry's whole buffers (``held_nbytes``).
 
 Only the tensor objects this module returns carry the buffer: a slice, a copy or a tensor
 moved between devices or read back from a storage tier is a plain tensor again, and
