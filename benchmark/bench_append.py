@@ -23,7 +23,6 @@ copied, so it starts warmer in the caches: at short contexts that favours it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from sgl_vericache.mem_cache.compress import available_compressors, get_compressor
+from sgl_vericache.mem_cache.compress.rows import plain_copy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,13 +41,6 @@ def _time(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return 1e3 * (time.perf_counter() - t0)
-
-
-def _plain(layer):
-    """``layer`` with each tensor a fresh copy: nothing to grow in place, as every entry was
-    before rows.py (and as one is that another request has already grown past)."""
-    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
-    return type(layer)(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fields.items()})
 
 
 def bench(name: str, context: int, heads: int, head_dim: int, q_heads: int, dtype: torch.dtype, tokens: int,
@@ -65,7 +58,7 @@ def bench(name: str, context: int, heads: int, head_dim: int, q_heads: int, dtyp
             nonlocal grown
             grown = comp.append(grown, new_k, new_v)
 
-        def copy(plain=_plain(copied)):  # the same entry, its tensors plain copies (untimed)
+        def copy(plain=plain_copy(copied)):  # the same entry, its tensors plain copies (untimed)
             nonlocal copied
             copied = comp.append(plain, new_k, new_v)
 

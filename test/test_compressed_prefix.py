@@ -4,8 +4,6 @@ evict sequences against a reference model (a dict of token tuples with LRU ticks
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +11,7 @@ from hypothesis import strategies as st
 
 from sgl_vericache.mem_cache.compress import get_compressor
 from sgl_vericache.mem_cache.compress.base import CompressedLayer
-from sgl_vericache.mem_cache.compress.rows import buffer_of
+from sgl_vericache.mem_cache.compress.rows import buffer_of, plain_copy
 from sgl_vericache.mem_cache.compressed_prefix import CompressedPrefixCache
 
 LAYERS = 2
@@ -128,8 +126,7 @@ def test_a_shared_entry_grows_by_append_without_changing_for_its_other_holders(n
     q = torch.randn(8, 4, 8)
     base = comp.compress(k[:64], v[:64], q if comp.needs_queries else None)
     before = [t.clone() for t in base.tensors()]
-    plain = type(base)(**{f.name: (lambda x: x.clone() if isinstance(x, torch.Tensor) else x)(getattr(base, f.name))
-                          for f in dataclasses.fields(base)})
+    plain = plain_copy(base)
     cache = CompressedPrefixCache(1 << 30)
     tokens = tuple(range(64))
     assert cache.insert(tokens, comp, [base])

@@ -11,7 +11,7 @@ import torch
 
 from sgl_vericache.mem_cache.compress import available_compressors, get_compressor
 from sgl_vericache.mem_cache.compress.rows import (MIN_SPARE_ROWS, SPARE_DIVISOR, RowBuffer, append_rows, buffer_of,
-                                                   spare_rows)
+                                                   plain_copy, spare_rows)
 
 
 def _rows(n: int, gen: torch.Generator, dtype=torch.float32, shape=(3, 4)) -> torch.Tensor:
@@ -144,7 +144,7 @@ def test_entries_stay_values_when_grown_in_place_and_branched(name):
         if step % 5 == 4:  # a branch from an entry two steps back
             old, _ = history[-3]
             branch = comp.append(old, k, v)
-            reference = comp.append(_copied(comp, old), k, v)  # plain tensors: every row copied
+            reference = comp.append(plain_copy(old), k, v)  # plain tensors: every row copied
             for got, want in zip(comp.materialize(branch)[:2], comp.materialize(reference)[:2]):
                 assert got.equal(want), (name, step)
         entry = grown
@@ -153,14 +153,6 @@ def test_entries_stay_values_when_grown_in_place_and_branched(name):
         for got, want in zip(comp.materialize(old)[:2], rows):
             assert got.equal(want), name
     assert in_place >= 10, (name, in_place)
-
-
-def _copied(comp, layer):
-    """The same entry with every tensor a plain copy (no spare rows)."""
-    import dataclasses
-
-    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
-    return type(layer)(**{n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in fields.items()})
 
 
 @pytest.mark.parametrize("name", GROWING)
@@ -172,14 +164,15 @@ def test_random_branching_appends_match_appends_to_copies(name):
     gen = torch.Generator().manual_seed(6)
     queries = torch.randn(8, 4, 16, generator=gen) if comp.needs_queries else None
     first = comp.compress(torch.randn(40, 2, 16, generator=gen), torch.randn(40, 2, 16, generator=gen), queries)
-    grown, copied = [first], [_copied(comp, first)]
+    grown, copied = [first], [plain_copy(first)]
+    assert all(buffer_of(t) is None for t in copied[0].tensors())  # the reference grows nothing in place
     for _ in range(150):
         parent = int(torch.randint(0, len(grown), (), generator=gen)) if torch.rand((), generator=gen) < 0.3 \
             else len(grown) - 1 - int(torch.randint(0, min(3, len(grown)), (), generator=gen))
         n = int(torch.randint(1, 12, (), generator=gen))
         k, v = torch.randn(n, 2, 16, generator=gen), torch.randn(n, 2, 16, generator=gen)
         grown.append(comp.append(grown[parent], k, v))
-        copied.append(comp.append(_copied(comp, copied[parent]), k, v))
+        copied.append(comp.append(plain_copy(copied[parent]), k, v))
     for i, (a, b) in enumerate(zip(grown, copied)):
         assert a.num_tokens == b.num_tokens
         assert all(x.equal(y) for x, y in zip(a.tensors(), b.tensors())), (name, i)

@@ -30,6 +30,7 @@ class FullCompressor(KVCompressor):
 
     def compress(self, k, v, queries=None):
         check_kv(k, v)
+        # a copy with spare rows (k[:0] has none: append_rows copies), for appends to grow into
         return DenseLayer(k.shape[0], k.shape[1], k.shape[2], k.dtype, append_rows(k[:0], k), append_rows(v[:0], v))
 
     def append(self, layer, k, v, queries=None):

@@ -33,6 +33,7 @@ which ``torch.inference_mode`` does not record.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
@@ -120,3 +121,11 @@ def held_nbytes(tensors) -> int:
             seen.add(id(buf))
             total += buf.data.numel() * buf.data.element_size()
     return total
+
+
+def plain_copy(entry):
+    """``entry`` (a ``CompressedLayer``) with every tensor a fresh copy holding no spare rows:
+    an append to it copies every row, as every append did before this module. What the
+    tests and ``benchmark/bench_append.py`` compare growing in place against."""
+    fields = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
+    return type(entry)(**{n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in fields.items()})
